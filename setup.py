@@ -1,0 +1,21 @@
+"""Conventional build for mini-vLLM: everything is read from `settings.ini` (the nbdev 2 template)."""
+from configparser import ConfigParser
+import setuptools
+
+cfg = ConfigParser(delimiters=['='])
+cfg.read('settings.ini', encoding='utf-8')
+c = cfg['DEFAULT']
+reqs = c.get('requirements', '').split()
+extras = {'dev': c.get('dev_requirements', '').split(), 'bundled': c.get('bundled_requirements', '').split()}
+extras['all'] = extras['dev'] + extras['bundled']
+
+setuptools.setup(
+    name=c['lib_name'], version=c['version'], description=c['description'],
+    long_description=open('README.md', encoding='utf-8').read(), long_description_content_type='text/markdown',
+    author=c['author'], author_email=c['author_email'], license='Apache-2.0', url=c['git_url'],
+    keywords=c['keywords'], python_requires='>=' + c['min_python'],
+    packages=setuptools.find_packages(include=[c['lib_path'], c['lib_path'] + '.*']),
+    include_package_data=True, install_requires=reqs, extras_require=extras, zip_safe=False,
+    entry_points={'console_scripts': ['minivllm-serve=minivllm.server:main', 'minivllm-chat=minivllm.engine:main'],
+                  'nbdev': [f"{c['lib_path']}={c['lib_path']}._modidx:d"]},
+)
