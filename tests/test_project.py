@@ -1,0 +1,173 @@
+"""The checkout is what a conventional build says it is.
+
+`minivllm/` is exactly what `nbdev_export` writes from the notebooks, the notebooks are exactly what
+`nbdev_clean` leaves, README.md is exactly what `tools/make_readme.py` makes of index.ipynb, and the wheel that
+setup.py builds holds exactly the exported modules and, installed into a fresh venv, imports and runs away from
+the checkout. Every check works on a scratch copy: nothing in the checkout is written.
+"""
+import importlib.util, json, os, shutil, subprocess, sys, sysconfig, zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the venv's console scripts (nbdev_export, nbdev_clean) sit beside python
+IGNORE = shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints", "*.pyc")
+
+def run(cmd: list, cwd: Path, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
+    "Run `cmd` in `cwd`; fail the test with its output if it fails."
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout, **kw)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+def tree(folder: Path, pattern: str = "*") -> dict[str, bytes]:
+    "Relative path -> bytes of every file under `folder` matching `pattern` (caches left out)."
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob(pattern))
+            if p.is_file() and "__pycache__" not in p.parts and ".ipynb_checkpoints" not in p.parts}
+
+def assert_same_tree(ours: dict[str, bytes], theirs: dict[str, bytes], what: str):
+    "Equal trees, or a message naming the files that differ."
+    changed = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
+    only_ours, only_theirs = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
+    assert not (changed or only_ours or only_theirs), \
+        f"{what}: changed {changed}, only in the checkout {only_ours}, only in the fresh output {only_theirs}"
+
+def scratch_project(dest: Path, *extra: str) -> Path:
+    "A copy of settings.ini, nbs/ and `extra` paths in `dest`: enough for nbdev to run on."
+    for name in ("settings.ini", "nbs", *extra):
+        src = ROOT / name
+        if src.is_dir(): shutil.copytree(src, dest / name, ignore=IGNORE)
+        elif src.is_file(): shutil.copy2(src, dest / name)
+    return dest
+
+# README and front page
+
+def load_make_readme():
+    spec = importlib.util.spec_from_file_location("make_readme", ROOT / "tools" / "make_readme.py")
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+def test_readme_is_generated_from_index():
+    expected = load_make_readme().render(ROOT / "index.ipynb")
+    assert (ROOT / "README.md").read_text(encoding="utf-8") == expected, \
+        "README.md is out of date with index.ipynb: run `python tools/make_readme.py`"
+
+def test_index_links_every_notebook():
+    index = (ROOT / "index.ipynb").read_text(encoding="utf-8")
+    missing = [nb.name for nb in sorted((ROOT / "nbs").glob("[0-9]*.ipynb")) if f"(nbs/{nb.name})" not in index]
+    assert not missing, f"index.ipynb's notebook map has no link to {missing}"
+
+# nbdev: export and clean change nothing
+
+def test_nbdev_export_reproduces_the_package(tmp_path):
+    # Export into an empty lib folder: a module no notebook writes (a stale or hand-written file) fails too.
+    scratch = scratch_project(tmp_path)
+    run([BIN / "nbdev_export"], cwd=scratch)
+    assert_same_tree(tree(ROOT / "minivllm"), tree(scratch / "minivllm"),
+                     "minivllm/ is not what nbdev_export writes (run nbdev_export; never edit minivllm/ by hand)")
+
+def test_nbdev_clean_changes_nothing(tmp_path):
+    scratch = scratch_project(tmp_path, "index.ipynb")
+    before = tree(scratch, "*.ipynb")
+    run([BIN / "nbdev_clean"], cwd=scratch)
+    run([BIN / "nbdev_clean", "--fname", "index.ipynb"], cwd=scratch)
+    assert_same_tree(before, tree(scratch, "*.ipynb"), "notebooks are not clean (run nbdev_clean)")
+
+# The wheel, built the conventional way and installed away from the checkout
+
+TINY_RUN = r'''
+import json, sys
+from pathlib import Path
+import torch, transformers
+from tokenizers import Tokenizer, models
+import minivllm, minivllm.qwen2 as qwen2
+
+venv, folder = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
+cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+torch.manual_seed(0)
+hf = transformers.Qwen2ForCausalLM(cfg).eval()
+hf.save_pretrained(folder)
+Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")).save(str(folder / "tokenizer.json"))
+model, tokenizer = qwen2.load_model(folder, dtype=torch.float32, device="cpu")
+ours = qwen2.greedy_generate(model, [[1, 2, 3]], 5)
+ref = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, min_new_tokens=5)[0, 3:].tolist()
+print(json.dumps({"file": minivllm.__file__, "in_venv": Path(minivllm.__file__).resolve().is_relative_to(venv),
+                  "ours": ours, "ref": ref}))
+'''
+
+ENTRY_POINTS = r'''
+import importlib, json, sys
+res = {}
+for spec in sys.argv[1:]:
+    mod, attr = spec.split(":")
+    res[spec] = callable(getattr(importlib.import_module(mod), attr, None))
+print(json.dumps(res))
+'''
+
+def build_wheel(src: Path, dist: Path) -> Path:
+    "`python -m build --wheel`, without build isolation (no network) when setuptools here is recent enough."
+    try:
+        import setuptools
+        isolate = int(setuptools.__version__.split(".")[0]) < 64
+    except ImportError: isolate = True
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", dist] + ([] if isolate else ["--no-isolation"]), cwd=src)
+    wheels = list(dist.glob("minivllm-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory):
+    "(wheel, venv folder, venv python): the wheel built from a copy of the checkout, installed into a fresh venv."
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"; src.mkdir()
+    for name in ("setup.py", "settings.ini", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "minivllm"):
+        p = ROOT / name
+        if p.is_dir(): shutil.copytree(p, src / name, ignore=IGNORE)
+        elif p.is_file(): shutil.copy2(p, src / name)
+    wheel = build_wheel(src, tmp / "dist")
+    venv = tmp / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
+    py = venv / "bin" / "python"
+    run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "--quiet", wheel], cwd=tmp)
+    # Dependencies (torch, transformers, ...) come from this environment, placed *after* the venv's own
+    # site-packages, so `import minivllm` can only find the installed wheel.
+    purelib = Path(run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).stdout.strip())
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (purelib / "_minivllm_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    return wheel, venv, py
+
+def venv_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    return env | {"PYTHONNOUSERSITE": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+def test_wheel_holds_exactly_the_exported_modules(installed_wheel):
+    wheel, _, _ = installed_wheel
+    with zipfile.ZipFile(wheel) as z:
+        packaged = {n: z.read(n) for n in z.namelist() if n.startswith("minivllm/")}
+    checkout = {f"minivllm/{k}": v for k, v in tree(ROOT / "minivllm").items()}
+    assert_same_tree(checkout, packaged, "the wheel's minivllm/ is not the checkout's")
+
+def test_installed_wheel_imports_and_runs(installed_wheel, tmp_path):
+    _, venv, py = installed_wheel
+    (tmp_path / "tiny").mkdir()
+    r = run([py, "-c", TINY_RUN, venv, tmp_path / "tiny"], cwd=tmp_path, env=venv_env())
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["in_venv"], f"minivllm was imported from {res['file']}, not from the installed wheel"
+    assert len(res["ours"][0]) == 5, res
+    assert res["ours"][0] == res["ref"], res  # greedy tokens equal transformers' on the same tiny model
+
+def test_console_scripts_resolve(installed_wheel, tmp_path):
+    wheel, _, py = installed_wheel
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        eps = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+    scripts = [l.split("=", 1)[1].strip() for l in eps.split("[console_scripts]", 1)[1].split("[", 1)[0].splitlines()
+               if "=" in l]
+    present = [s for s in scripts if s.split(":")[0].replace(".", "/") + ".py" in names]
+    if present:
+        r = run([py, "-c", ENTRY_POINTS, *present], cwd=tmp_path, env=venv_env())
+        broken = [s for s, ok in json.loads(r.stdout.strip().splitlines()[-1]).items() if not ok]
+        assert not broken, f"console scripts that point at nothing callable: {broken}"
+    missing = sorted(set(scripts) - set(present))
+    if missing: pytest.skip(f"setup.py declares console scripts whose module is not exported yet: {missing}")
