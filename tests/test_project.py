@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent  # the venv's console scripts (nbdev_export, nbdev_clean) sit beside python
+BIN = Path(sys.executable).parent  # a venv's console scripts (nbdev_export, nbdev_clean) sit beside its python
 IGNORE = shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints", "*.pyc")
+
+def tool(name: str) -> str:
+    "The console script `name` of this environment (or, outside a venv, the one on PATH)."
+    return str(BIN / name) if (BIN / name).is_file() else (shutil.which(name) or name)
 
 def run(cmd: list, cwd: Path, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
     "Run `cmd` in `cwd`; fail the test with its output if it fails."
@@ -62,15 +66,15 @@ def test_index_links_every_notebook():
 def test_nbdev_export_reproduces_the_package(tmp_path):
     # Export into an empty lib folder: a module no notebook writes (a stale or hand-written file) fails too.
     scratch = scratch_project(tmp_path)
-    run([BIN / "nbdev_export"], cwd=scratch)
+    run([tool("nbdev_export")], cwd=scratch)
     assert_same_tree(tree(ROOT / "minivllm"), tree(scratch / "minivllm"),
                      "minivllm/ is not what nbdev_export writes (run nbdev_export; never edit minivllm/ by hand)")
 
 def test_nbdev_clean_changes_nothing(tmp_path):
     scratch = scratch_project(tmp_path, "index.ipynb")
     before = tree(scratch, "*.ipynb")
-    run([BIN / "nbdev_clean"], cwd=scratch)
-    run([BIN / "nbdev_clean", "--fname", "index.ipynb"], cwd=scratch)
+    run([tool("nbdev_clean")], cwd=scratch)
+    run([tool("nbdev_clean"), "--fname", "index.ipynb"], cwd=scratch)
     assert_same_tree(before, tree(scratch, "*.ipynb"), "notebooks are not clean (run nbdev_clean)")
 
 # The wheel, built the conventional way and installed away from the checkout
