@@ -17,7 +17,7 @@ from .paged_cache import BlockManager, BlockTable
 __all__ = ['SamplingError', 'SamplingParams', 'SequenceStatus', 'Sequence', 'RequestTooLong', 'SchedulerConfig', 'ScheduledBatch',
            'Scheduler']
 
-# %% ../nbs/03_scheduler.ipynb #8bf7e03e
+# %% ../nbs/03_scheduler.ipynb #707c881e
 class SamplingError(ValueError):
     "A sampling parameter is out of range; `param` names it."
     def __init__(self, message: str, param: str | None = None):
@@ -73,7 +73,7 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop", "must be up to 16 non-empty strings")
         check(all(intg(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
         check(self.logprobs is None or intg(self.logprobs) and 0 <= self.logprobs <= max_logprobs, "logprobs", f"must be an integer from 0 to {max_logprobs}")
-        check(self.seed is None or intg(self.seed), "seed", "must be an integer")
+        check(self.seed is None or intg(self.seed) and -2**63 <= self.seed < 2**64, "seed", "must be a 64-bit integer")
         return self
 
 # %% ../nbs/03_scheduler.ipynb #4a5477c7
