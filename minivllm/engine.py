@@ -189,7 +189,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else hidden.new_zeros(0, 0)
         return logits, sampling
 
-# %% ../nbs/04_engine.ipynb #27b920b8
+# %% ../nbs/04_engine.ipynb #74957b16
 @dataclass
 class EngineStats:
     "Counters and gauges the server exports as Prometheus metrics."
@@ -232,6 +232,9 @@ class LLMEngine:
         self.bm = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.cache = KVCache(cfg, num_kv_blocks, block_size, dtype, dev)
         if max_model_len is None: max_model_len = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
+        if max_model_len > num_kv_blocks * block_size:
+            raise ValueError(f"max_model_len={max_model_len} is more than the KV cache holds ({num_kv_blocks} blocks x "
+                             f"{block_size} tokens = {num_kv_blocks * block_size}): lower max_model_len or give the cache more memory")
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context ({cfg.max_position_embeddings})")
         if not enable_chunked_prefill: max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -330,17 +333,19 @@ class LLMEngine:
         return list(touched.values())
 
     def _check_stop(self, st: _SeqState, tok: int, new_chars: int) -> None:
+        "vLLM's stop rules: nothing but the length limits before min_tokens; stop tokens and strings stay out of the text."
         seq, p = st.seq, st.seq.params
         reason, why = None, None
-        if not p.ignore_eos and tok in self.eos_ids: reason = "stop"  # (masked before min_tokens)
-        elif tok in p.stop_token_ids: reason, why = "stop", tok
-        elif p.stop:
-            start = max(0, len(st.text) - new_chars - max(map(len, p.stop)) + 1)
-            hits = [(st.text.find(s, start), s) for s in p.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                st.text, reason, why = st.text[:i], "stop", s
+        if seq.num_output_tokens >= p.min_tokens:
+            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+                reason, why = "stop", (tok if tok in p.stop_token_ids else None)
+                if new_chars: st.text = st.text[:-new_chars]          # the stop token's text is not output
+            elif p.stop:
+                start = max(0, len(st.text) - new_chars - max(map(len, p.stop)) + 1)
+                hits = [(i, s) for i, s in ((st.text.find(s, start), s) for s in p.stop) if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    st.text, reason, why = st.text[:i], "stop", s
         if reason is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens: reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
         if reason is not None: self.scheduler.finish(seq, reason, why)

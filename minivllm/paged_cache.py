@@ -61,8 +61,8 @@ class BlockAllocator:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0: self.free_ids[block] = None
 
-# %% ../nbs/02_paged_cache.ipynb #2521762f
-@dataclass
+# %% ../nbs/02_paged_cache.ipynb #fbfc726a
+@dataclass(eq=False)  # identity, not value: a fork must never be mistaken for its parent
 class BlockTable:
     "One sequence's blocks, in token order, and the number of token slots reserved in them."
     block_size: int
@@ -210,7 +210,7 @@ def check_block_invariants(bm: BlockManager, tables: list[BlockTable]) -> None:
     assert free | set(held) == set(range(al.num_blocks)), "a block was lost"
     for b in range(al.num_blocks): assert al.ref_counts[b] == held.get(b, 0), (b, al.ref_counts[b], held.get(b, 0))
 
-# %% ../nbs/02_paged_cache.ipynb #7a8cf7d9
+# %% ../nbs/02_paged_cache.ipynb #08994eb7
 def kv_bytes_per_token(cfg: Qwen2Config, dtype: torch.dtype) -> int:
     "Bytes of K and V one token occupies across all layers."
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -254,10 +254,8 @@ class KVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         "Copy-on-write: copy block src to block dst in every layer."
-        if not pairs: return
-        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]; self.v[:, dst] = self.v[:, src]
+        for src, dst in pairs:  # in order: a chain (0->1, 1->2) must copy 1 before it is overwritten
+            self.k[:, dst] = self.k[:, src]; self.v[:, dst] = self.v[:, src]
 
 # %% ../nbs/02_paged_cache.ipynb #98948c02
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor,

@@ -125,7 +125,7 @@ class Sequence:
         return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed}, blocks={self.block_table.blocks})")
 
-# %% ../nbs/03_scheduler.ipynb #8cc225b3
+# %% ../nbs/03_scheduler.ipynb #47f219c7
 class RequestTooLong(ValueError):
     "A request that can never be scheduled (prompt longer than the context, the pool or the budget)."
 
@@ -155,6 +155,9 @@ class Scheduler:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
                              f">= max_model_len ({config.max_model_len}): a recomputed sequence must fit one step")
+        if config.max_model_len > block_manager.num_blocks * block_manager.block_size:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the pool ({block_manager.num_blocks} blocks x "
+                             f"{block_manager.block_size} tokens): a sequence could outgrow it and never run again")
         self.config, self.bm = config, block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order: the last is preempted first
@@ -186,6 +189,7 @@ class Scheduler:
         "The work of the next step (empty when there is none)."
         if self.config.enable_chunked_prefill: return self._schedule_chunked()
         batch = self._admit(self.config.max_num_batched_tokens, chunk=False)
+        batch.items.sort(key=lambda it: not (it[1] > 1 or it[0].num_computed == 0))  # a 1-token prefix-cache rest is a decode row
         return batch if batch.items else self._decode_all()
 
     # --- the pieces ---------------------------------------------------------------------------------------------

@@ -308,17 +308,11 @@ def test_stop_token_ids_eos_min_tokens_ignore_eos(scripted, tiny):
     assert len(o.token_ids) == 3 and o.finish_reason == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: min_tokens does not hold back stop strings: LLMEngine._check_stop ends "
-                   "the sequence on a stop string before min_tokens tokens (vLLM checks no stop condition before "
-                   "min_tokens).")
 def test_min_tokens_holds_back_stop_strings(scripted):
     o = stream(scripted("ab, cdefghijkl"), "ab", SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop=","))[1]
     assert len(o.outputs[0].token_ids) >= 6
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (vLLM semantics): a stop token's text stays in the output; vLLM leaves it "
-                   "out (include_stop_str_in_output=False), as it does for stop strings. LLMEngine._update appends the "
-                   "token's text before _check_stop finds the stop token.")
 def test_stop_token_text_is_not_part_of_the_output(scripted, tiny):
     y = tiny[1].encode("y")[0]
     o = stream(scripted("xyz and more"), "ab", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[y]))[1].outputs[0]
@@ -515,9 +509,6 @@ def test_prefix_caching_changes_nothing_but_work(tiny, params):
     assert all(v == outs[False, False] for v in outs.values())
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: without chunked prefill, Scheduler.schedule() returns admitted sequences "
-                   "unsorted; a prefix hit that leaves one token is laid out as a decode row, and a prefill admitted "
-                   "after it makes PagedBatch.build raise 'prefill items must come before decode items'.")
 def test_prefix_hit_then_a_prefill_without_chunking(tiny):
     L = llm(tiny, enable_chunked_prefill=False)                      # prefix caching is on by default
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -527,9 +518,6 @@ def test_prefix_hit_then_a_prefill_without_chunking(tiny):
                                                                          use_tqdm=False))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: LLMEngine accepts max_model_len larger than the KV pool "
-                   "(num_kv_blocks * block_size); a sequence that outgrows the pool preempts itself and is never "
-                   "re-admitted, so step() returns [] forever and LLM.generate never returns.")
 def test_max_model_len_larger_than_the_pool_is_refused_or_served(tiny):
     try:
         eng = engine(tiny, num_kv_blocks=4, block_size=4, max_model_len=64)
@@ -645,7 +633,7 @@ def test_bundled_batched_equals_alone(bundled, bundled_reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunked,prefix", [(False, False), (True, True)])  # (False, True): see the xfail above
+@pytest.mark.parametrize("chunked,prefix", [(False, False), (True, True), (False, True)])
 def test_bundled_preemption_is_invisible(bundled, bundled_reference, chunked, prefix):
     "4 chats growing to ~60 tokens each in 24 blocks of 4 (96 tokens): two are admitted, then they outgrow the pool."
     model, tok = bundled
