@@ -423,15 +423,16 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], lps: list[di
         offset += len(e["token"])
     return out
 
-# %% ../nbs/05_server.ipynb #da185edf
+# %% ../nbs/05_server.ipynb #652e1260
 def sse(obj: dict | str) -> str:
     "One server-sent event."
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
-def usage(prompt_lens: list[int], completion_tokens: int) -> dict:
-    "OpenAI's `usage`."
+def usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int = 0) -> dict:
+    "OpenAI's `usage`, with the prompt tokens found in the prefix cache."
     p = sum(prompt_lens)
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 @dataclass
 class Reply:
@@ -466,7 +467,8 @@ class Reply:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": sorted(choices, key=lambda c: c["index"]),
-                "usage": usage(self.prompt_lens, sum(len(c.token_ids) for o in finals for c in o.outputs))}
+                "usage": usage(self.prompt_lens, sum(len(c.token_ids) for o in finals for c in o.outputs),
+                               sum(o.num_cached_tokens for o in finals))}
 
     def chunk(self, choices: list[dict]) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -478,11 +480,13 @@ class Reply:
         "The response as server-sent events; leaving early (client gone) aborts what is unfinished."
         tokens: dict[tuple[int, int], int] = {}           # (prompt, choice) -> tokens so far
         chars: dict[tuple[int, int], int] = {}            # (prompt, choice) -> characters sent so far
+        cached: dict[int, int] = {}                       # prompt -> its tokens found in the prefix cache
         try:
             if self.kind == "chat":
                 yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None} for i in range(len(self.prompt_lens) * self.n)])
             async for i, out in sub:
+                cached[i] = out.num_cached_tokens
                 choices = []
                 for c in out.outputs:
                     tokens[i, c.index] = len(c.token_ids)
@@ -499,7 +503,7 @@ class Reply:
             if self.include_usage:
                 yield sse({"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                            "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage(self.prompt_lens, sum(tokens.values()))})
+                           "usage": usage(self.prompt_lens, sum(tokens.values()), sum(cached.values()))})
         except Exception as e:
             log.exception("stream %s failed", self.id)
             yield sse({"error": {"message": f"internal error: {e}", "type": "server_error", "param": None, "code": None}})

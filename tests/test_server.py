@@ -125,7 +125,8 @@ def test_chat_and_completions_with_openai_client(client):
     many = client.completions.create(model="tiny", prompt=["a", "bb", "ccc"], max_tokens=3, n=2, temperature=0)
     assert [c.index for c in many.choices] == list(range(6)) and many.usage.prompt_tokens == 6
     r = httpx.post(str(client.base_url).rstrip("/") + "/completions", json={"prompt": [72, 105], "max_tokens": 2}).json()
-    assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     # a stop token (here: every token) ends the completion with finish_reason "stop"
     stop = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0,
                                      extra_body={"stop_token_ids": list(range(259))})
@@ -254,7 +255,9 @@ def test_sse_framing_and_usage(server):
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == whole["usage"]
+    strip = lambda u: {k: v for k, v in u.items() if k != "prompt_tokens_details"}
+    assert strip(chunks[-1]["usage"]) == strip(whole["usage"])          # the same counts; and the second request
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # found the first one's prompt cached
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == whole["choices"][0]["message"]["content"]
     # completions: text chunks, no usage chunk unless asked
@@ -525,3 +528,18 @@ def test_command_line_with_no_model_serves_the_bundled_model():
     finally:
         proc.terminate(); proc.wait(30)
     assert "KV cache: 256 blocks x 16 tokens = 4,096 tokens" in logf.read_text()
+
+
+def test_cached_prompt_tokens_are_reported_in_usage(client):
+    "Prefix caching shows in usage.prompt_tokens_details.cached_tokens (OpenAI's field), streamed and not."
+    system = "You are a careful assistant who answers in one short sentence. " * 3
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
+    first = client.chat.completions.create(model="tiny", messages=msgs("first?"), max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    again = client.chat.completions.create(model="tiny", messages=msgs("second?"), max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(system) // 2   # most of the shared system prompt
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    stream = client.chat.completions.create(model="tiny", messages=msgs("third?"), max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    last = list(stream)[-1]
+    assert last.usage.prompt_tokens_details.cached_tokens >= len(system) // 2
