@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model_folder
 import torch.nn.functional as F
 from transformers import Qwen2Config as HFConfig
 from transformers import Qwen2ForCausalLM as HFModel
@@ -41,35 +42,9 @@ def threads():
 # ---------------------------------------------------------------------------------------------------------------
 # A tiny random model with a real byte-level tokenizer (the 04 notebook's tiny_model_folder)
 
-def tiny_model_folder(d: Path, seed: int = 0) -> Path:
-    "A tiny random Qwen2 with a byte-level tokenizer (one token per byte: CJK and emoji always span tokens)."
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers
-    torch.manual_seed(seed)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
-    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    V = tok.get_vocab_size()
-    hf = HFModel(HFConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0))
-    with torch.no_grad():  # non-zero biases, and a sharper distribution than the default init gives
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"): p.normal_(0, 0.1)
-        hf.lm_head.weight.normal_(0, 0.2)
-    hf.save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    tmpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": tmpl, "eos_token": "<|im_end|>"}))
-    return d
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tiny_model_folder(tmp_path_factory.mktemp("tiny-engine"))
+    d = tiny_model_folder(tmp_path_factory.mktemp("tiny-engine"), sharp=True)
     return load_safetensors_model(d), Tokenizer.from_folder(d), HFModel.from_pretrained(d).eval()
 
 

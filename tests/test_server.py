@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import tiny_model_folder
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.engine import LLMEngine
@@ -20,25 +21,6 @@ from minivllm.qwen2 import Tokenizer, load_model, load_safetensors_model
 from minivllm.server import AsyncEngine, BackgroundServer, available_cores, build_app
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def tiny_model_folder(d: Path, seed: int = 0) -> Path:
-    "A tiny random Qwen2 (2 layers, hidden 64, context 512) with a byte-level tokenizer and a chat template."
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    tok = HFTok(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=512, rope_theta=10000.0)).save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    tmpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": tmpl, "eos_token": "<|im_end|>"}))
-    return d
 
 
 @pytest.fixture(scope="module")
