@@ -425,15 +425,20 @@ def test_truncated_gguf_convert_leaves_nothing(tiny_gguf, tmp_path):
     assert not (cache / "model").exists() and list(cache.rglob("*")) == []
 
 
+def assert_convert_fails_leaving_nothing(path, tmp_path, match):
+    "Converting a broken GGUF raises ModelLoadError and leaves no file behind in the cache folder."
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelLoadError, match=match): convert_gguf_to_folder(path, cache / "model")
+    assert list(cache.rglob("*")) == []
+
+
 def test_gguf_missing_tensor_convert_leaves_nothing(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf(0), "F32", drop=("model.layers.0.self_attn.k_proj.bias",))
     with pytest.raises(ModelLoadError, match=r"missing tensor.*model\.layers\.0\.self_attn\.k_proj\.bias") as e:
         load_gguf_model(path)
     assert str(path) in str(e.value)
-    cache = tmp_path / "cache"
-    with pytest.raises(ModelLoadError, match="missing tensor"): convert_gguf_to_folder(path, cache / "model")
-    assert list(cache.rglob("*")) == []
+    assert_convert_fails_leaving_nothing(path, tmp_path, "missing tensor")
 
 
 def test_gguf_missing_embedding(tmp_path):
@@ -449,9 +454,7 @@ def test_gguf_without_tokenizer(ids, tmp_path):
     assert max_diff(our_logits(load_gguf_model(path, "float32", "cpu"), ids), hf_logits(hf, ids)) <= LOGIT_TOL
     with pytest.raises(ModelLoadError, match="no tokenizer in the GGUF metadata") as e: load_model(path)
     assert str(path) in str(e.value)
-    cache = tmp_path / "cache"
-    with pytest.raises(ModelLoadError, match="no tokenizer"): convert_gguf_to_folder(path, cache / "model")
-    assert list(cache.rglob("*")) == []
+    assert_convert_fails_leaving_nothing(path, tmp_path, "no tokenizer")
 
 
 def test_gguf_unsupported_architecture(tmp_path):
