@@ -22,8 +22,10 @@ from .engine import LLMEngine, SamplingParams
 from .qwen2 import Qwen2ForCausalLM, Tokenizer, load_model
 
 # %% auto #0
-__all__ = ['QUESTIONS', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'machine_info', 'offline_benchmark', 'print_table',
-           'serve_benchmark', 'print_serving', 'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
+__all__ = ['QUESTIONS', 'PROFILE_SHARES', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'machine_info',
+           'offline_benchmark', 'print_table', 'results_dir', 'decode_profile', 'memory_bandwidth',
+           'decode_bytes_per_step', 'serve_benchmark', 'print_serving', 'server_process', 'compare_servers',
+           'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #d7a18360
 QUESTIONS = [
@@ -88,7 +90,7 @@ def run_hf(hf_model, requests: list[BenchRequest], concurrency: int, pad_id: int
     tokens = sum(r.max_tokens for r in requests)
     return {"seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt, "outputs": outputs}
 
-# %% ../nbs/06_benchmarks.ipynb #caaf44ea
+# %% ../nbs/06_benchmarks.ipynb #102bf2f1
 def machine_info() -> dict:
     "Cores, CPU flags that matter for matmuls, torch version and threads."
     flags = ""
@@ -99,24 +101,26 @@ def machine_info() -> dict:
     try:
         with open("/proc/cpuinfo") as f: model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
     except OSError: pass
-    keep = [k for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if k in flags.split()]
+    keep = [k for k in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16", "amx_tile")
+            if k in flags.split()]
     return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "flags": keep, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 def offline_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, hf_model, concurrencies=(1, 4, 16, 64),
                       num_requests=None, seed: int = 0, min_tokens: int = 8, max_tokens: int = 64, **engine_kw) -> list[dict]:
-    "Ours vs transformers at each concurrency; num_requests(c) defaults to max(c, 8)."
+    "Ours vs transformers at each concurrency; num_requests(c) defaults to max(2c, 8): two batches or more for transformers."
     rows = []
     pad = tokenizer.tok.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else 0
     for c in concurrencies:
-        n = num_requests(c) if num_requests else max(c, 8)
+        n = num_requests(c) if num_requests else max(2 * c, 8)
         reqs = make_requests(tokenizer, n, seed, min_tokens, max_tokens)
         ours = run_ours(model, tokenizer, reqs, c, **engine_kw)
         hf = run_hf(hf_model, reqs, c, pad)
         same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"]))
         rows.append({"concurrency": c, "requests": n, "tokens": ours["tokens"], "ours_tok_s": ours["tok_per_s"],
                      "hf_tok_s": hf["tok_per_s"], "speedup": ours["tok_per_s"] / hf["tok_per_s"],
-                     "ours_s": ours["seconds"], "hf_s": hf["seconds"], "identical": same,
+                     "ours_s": ours["seconds"], "hf_s": hf["seconds"], "identical": same, "ours_steps": ours["steps"],
+                     "hf_steps": sum(max(r.max_tokens for r in reqs[i:i + c]) for i in range(0, n, c)),
                      "dtype": str(next(model.parameters()).dtype).replace("torch.", "")})
     return rows
 
@@ -127,7 +131,92 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['dtype']:>9} {r['concurrency']:>3} {r['requests']:>5} {r['tokens']:>7} {r['ours_tok_s']:>11.1f} "
               f"{r['hf_tok_s']:>9.1f} {r['speedup']:>7.2f}x {r['identical']:>5}/{r['requests']}")
 
-# %% ../nbs/06_benchmarks.ipynb #d1fc0e11
+# %% ../nbs/06_benchmarks.ipynb #81bcb014
+def results_dir() -> Path:
+    "The folder of committed benchmark results: `nbs/results`, from the repository root or from `nbs/`."
+    for p in (Path("results"), Path("nbs") / "results"):
+        if p.is_dir(): return p
+    return Path("results")
+
+# %% ../nbs/06_benchmarks.ipynb #d0756113
+class _SectionTimer:
+    "Exclusive wall time per label of temporarily wrapped methods."
+    def __init__(self): self.seconds, self._stack, self._undo = {}, [], []
+
+    def wrap(self, owner, attr: str, label) -> None:
+        raw, call = owner.__dict__.get(attr), getattr(owner, attr)
+        def timed(*a, **k):
+            lab = label(a[0]) if callable(label) else label
+            t0 = time.perf_counter(); self._stack.append(0.0)
+            try: return call(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0; inner = self._stack.pop()
+                self.seconds[lab] = self.seconds.get(lab, 0.0) + dt - inner
+                if self._stack: self._stack[-1] += dt
+        setattr(owner, attr, timed); self._undo.append((owner, attr, raw))
+
+    def undo(self) -> None:
+        for owner, attr, raw in reversed(self._undo):
+            if raw is None: delattr(owner, attr)
+            else: setattr(owner, attr, raw)
+        self._undo.clear()
+
+PROFILE_SHARES = ["matmuls (layers)", "matmul (LM head)", "attention", "norms, rotary, activations", "sampling",
+                  "input preparation", "Python: scheduling, bookkeeping"]
+
+def decode_profile(model: Qwen2ForCausalLM, tokenizer: Tokenizer, batch_size: int, steps: int = 8,
+                   torch_table: bool = False, **engine_kw) -> dict:
+    "Milliseconds per decode step at `batch_size` running sequences, split into PROFILE_SHARES."
+    import torch.nn as nn
+    from minivllm.engine import ModelRunner, Sampler
+    from minivllm.paged_cache import PagedBatch
+    from minivllm.qwen2 import PackedLinear
+    from minivllm.scheduler import Scheduler
+    eng = LLMEngine(model, tokenizer, max_num_seqs=batch_size, log_steps=True, **engine_kw)
+    for r in make_requests(tokenizer, batch_size):
+        eng.add_request({"prompt_token_ids": r.prompt_token_ids}, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
+    while not eng.step_log or eng.step_log[-1].prefill_tokens or eng.step_log[-1].decode_seqs < batch_size: eng.step()
+    eng.step()                                                        # one more, so that nothing is first-time
+    tm = _SectionTimer()
+    py, prep, lin = "Python: scheduling, bookkeeping", "input preparation", lambda m: "matmul (LM head)" if m is model.lm_head else "matmuls (layers)"
+    for owner, attr, label in [(LLMEngine, "step", py), (Scheduler, "schedule", py), (LLMEngine, "_update", py),
+                               (ModelRunner, "run", prep), (PagedBatch, "build", prep), (nn.Linear, "forward", lin),
+                               (PackedLinear, "forward", lin), (PagedBatch, "attend", "attention"),
+                               (type(model), "forward", "norms, rotary, activations"),
+                               (type(model), "compute_logits", "matmul (LM head)"), (Sampler, "__call__", "sampling")]:
+        tm.wrap(owner, attr, label)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps): eng.step()
+        wall = time.perf_counter() - t0
+    finally: tm.undo()
+    table = None
+    if torch_table:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3): eng.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    for r in list(eng.requests): eng.abort(r)
+    ms = {k: tm.seconds.get(k, 0.0) / steps * 1e3 for k in PROFILE_SHARES}
+    return {"batch_size": batch_size, "ms_per_step": wall / steps * 1e3, "tok_per_s": batch_size * steps / wall,
+            "ms": ms, "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""), "torch_table": table}
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    "Read bandwidth in GB/s: the best of `repeats` sums over a `gib` GiB float32 tensor, with torch's threads."
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter(); x.sum(); best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best / 1e9
+
+def decode_bytes_per_step(model: Qwen2ForCausalLM) -> int:
+    "Bytes of weights a decode step must read: every weight but the embedding table, plus one embedding row."
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    rest = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    return rest + (head.numel() * head.element_size() if head is emb else 0) + emb.shape[1] * emb.element_size()
+
+# %% ../nbs/06_benchmarks.ipynb #fd7b55d2
 def _pct(xs: list[float], p: float) -> float:
     if not xs: return float("nan")
     xs = sorted(xs)
@@ -153,11 +242,10 @@ async def _one_request(client, url: str, model: str, prompt: str, max_tokens: in
             if data == "[DONE]": break
             chunk = json.loads(data)
             if chunk.get("usage"): usage = chunk["usage"]
-            for ch in chunk.get("choices") or []:
-                if ch.get("text"):
-                    now = time.perf_counter()
-                    if ttft is None: ttft = now - t0
-                    times.append(now); text += ch["text"]
+            if chunk.get("choices"):  # as vLLM counts: every chunk that carries a choice, with text or not
+                now = time.perf_counter()
+                if ttft is None: ttft = now - t0
+                times.append(now); text += chunk["choices"][0].get("text") or ""
     latency = time.perf_counter() - t0
     n_out = (usage or {}).get("completion_tokens") or len(times)
     return {"ok": ttft is not None, "ttft": ttft, "latency": latency, "output_tokens": n_out,
@@ -212,7 +300,48 @@ def print_serving(res: dict) -> None:
     for m in ("ttft", "tpot", "itl", "e2el"):
         print(f"{m.upper() + ' ms (mean/p50/p99)':<28}{res[f'mean_{m}_ms']:.1f} / {res[f'p50_{m}_ms']:.1f} / {res[f'p99_{m}_ms']:.1f}")
 
-# %% ../nbs/06_benchmarks.ipynb #974e9c57
+# %% ../nbs/06_benchmarks.ipynb #cec6f63f
+from contextlib import contextmanager
+
+@contextmanager
+def server_process(cmd: list[str], base_url: str, timeout: float = 900.0):
+    "Run a server command; yield the model name its `/v1/models` lists once it answers; stop it on exit."
+    import subprocess
+    import httpx
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while True:
+            if proc.poll() is not None: raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before answering")
+            try:
+                r = httpx.get(base_url.rstrip("/") + "/models", timeout=5)
+                if r.status_code == 200: break
+            except httpx.HTTPError: pass
+            if time.monotonic() - t0 > timeout: raise TimeoutError(f"{cmd[0]} did not answer within {timeout:.0f} s")
+            time.sleep(1)
+        yield r.json()["data"][0]["id"]
+    finally:
+        proc.terminate()
+        try: proc.wait(30)
+        except subprocess.TimeoutExpired: proc.kill(); proc.wait()
+
+def compare_servers(servers: dict[str, tuple[list[str], str]], concurrencies=(1, 16), num_prompts=None, seed: int = 0,
+                    min_tokens: int = 16, max_tokens: int = 128) -> list[dict]:
+    "servers: name -> (command, base URL). Each server, each concurrency: `serve_benchmark` with `num_prompts(c)` prompts."
+    rng = random.Random(seed)
+    n_max = max((num_prompts or (lambda c: max(4, 2 * c)))(c) for c in concurrencies)
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n_max)]
+    lens = [rng.randint(min_tokens, max_tokens) for _ in prompts]
+    rows = []
+    for name, (cmd, url) in servers.items():
+        with server_process(cmd, url) as model:
+            for c in concurrencies:
+                n = (num_prompts or (lambda c: max(4, 2 * c)))(c)
+                res = serve_benchmark(url, model, prompts[:n], lens[:n], max_concurrency=c, seed=seed, progress=False)
+                rows.append({"server": name, "concurrency": c, "prompts": n, "requested_tokens": sum(lens[:n]), **res})
+    return rows
+
+# %% ../nbs/06_benchmarks.ipynb #dd56bf18
 def shared_prefix_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, system_tokens: int = 700, users: int = 16,
                             max_tokens: int = 8, **engine_kw) -> dict:
     "TTFT and prefill time for `users` chats sharing a long system prompt, prefix caching on vs off."
@@ -238,7 +367,7 @@ def shared_prefix_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, syste
                 if o.finished: outputs[o.request_id] = o.outputs[0].token_ids
         st = eng.stats()
         t = list(ttft.values())
-        res["on" if caching else "off"] = {"mean_ttft_s": statistics.fmean(t), "p50_ttft_s": _pct(t, 50),
+        res["on" if caching else "off"] = {"mean_ttft_s": statistics.fmean(t), "p50_ttft_s": _pct(t, 50), "ttft_s": t,
                                            "prefill_s": prefill_s, "hit_tokens": st.prefix_cache_hits,
                                            "queried_tokens": st.prefix_cache_queries,
                                            "outputs": [outputs[r] for r in arrival]}
@@ -270,10 +399,10 @@ def long_prompt_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, prompt_
                 if o.request_id == lid and o.finished: total = now - t0
         for r in sids: eng.abort(r)
         res["on" if chunked else "off"] = {"p99_itl_s": _pct(gaps, 99), "max_itl_s": max(gaps), "mean_itl_s": statistics.fmean(gaps),
-                                            "long_prompt_s": total}
+                                            "long_prompt_s": total, "gaps_s": gaps}
     return res
 
-# %% ../nbs/06_benchmarks.ipynb #698e00d7
+# %% ../nbs/06_benchmarks.ipynb #8c92d513
 def main(argv: list[str] | None = None) -> None:
     "Command-line entry: offline (ours vs transformers) or serve (any OpenAI-compatible server)."
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__)
@@ -285,6 +414,15 @@ def main(argv: list[str] | None = None) -> None:
     off.add_argument("--num-requests", type=int, default=None, help="requests per concurrency (default max(c, 8))")
     off.add_argument("--min-tokens", type=int, default=8); off.add_argument("--max-tokens", type=int, default=64)
     off.add_argument("--seed", type=int, default=0); off.add_argument("--json", default=None, help="write results here")
+    prf = sub.add_parser("profile", help="where a decode step's time goes, and the batch-1 roofline")
+    prf.add_argument("--model", default=None); prf.add_argument("--dtype", default="float32")
+    prf.add_argument("--batch-size", type=int, nargs="+", default=[1, 4, 16, 64])
+    prf.add_argument("--steps", type=int, default=8); prf.add_argument("--json", default=None)
+    fea = sub.add_parser("features", help="prefix caching (shared system prompt) and chunked prefill (long prompt), on vs off")
+    fea.add_argument("--model", default=None); fea.add_argument("--dtype", default="float32")
+    fea.add_argument("--system-tokens", type=int, default=700); fea.add_argument("--users", type=int, default=16)
+    fea.add_argument("--prompt-tokens", type=int, default=4000); fea.add_argument("--streams", type=int, default=8)
+    fea.add_argument("--budget", type=int, default=512); fea.add_argument("--json", default=None)
     srv = sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming completions")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1"); srv.add_argument("--model", default=None)
     srv.add_argument("--num-prompts", type=int, default=32)
@@ -305,6 +443,27 @@ def main(argv: list[str] | None = None) -> None:
                                  a.seed, a.min_tokens, a.max_tokens)
         print(json.dumps(machine_info())); print_table(rows)
         if a.json: Path(a.json).write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2))
+    elif a.cmd == "profile":
+        model, tok = load_model(a.model, a.dtype)
+        bw, nbytes = memory_bandwidth(), decode_bytes_per_step(model)
+        profs = [decode_profile(model, tok, b, a.steps, torch_table=(b == a.batch_size[-1])) for b in a.batch_size]
+        print(json.dumps(machine_info()))
+        print(f"memory bandwidth {bw:.1f} GB/s; a decode step reads {nbytes / 1e9:.2f} GB of weights: "
+              f"at most {bw * 1e9 / nbytes:.1f} tokens/s at batch 1")
+        for pr in profs:
+            print(f"batch {pr['batch_size']:>3}: {pr['ms_per_step']:7.1f} ms/step ({pr['tok_per_s']:.1f} tok/s)  " +
+                  ", ".join(f"{k} {v:.0f}" for k, v in pr["ms"].items()))
+        print(profs[-1]["torch_table"])
+        if a.json: Path(a.json).write_text(json.dumps({"machine": machine_info(), "bandwidth_gb_s": bw,
+                                                       "decode_bytes": nbytes, "profiles": profs}, indent=2))
+    elif a.cmd == "features":
+        model, tok = load_model(a.model, a.dtype)
+        res = {"machine": machine_info(),
+               "shared_prefix": shared_prefix_benchmark(model, tok, a.system_tokens, a.users),
+               "long_prompt": long_prompt_benchmark(model, tok, a.prompt_tokens, a.streams, a.budget)}
+        for k in ("on", "off"): res["shared_prefix"][k].pop("outputs")
+        print(json.dumps(res, indent=2))
+        if a.json: Path(a.json).write_text(json.dumps(res, indent=2))
     else:
         import httpx
         model = a.model or httpx.get(a.base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}).json()["data"][0]["id"]

@@ -24,7 +24,7 @@ from .scheduler import (RequestTooLong, SamplingError, SamplingParams, Scheduled
 __all__ = ['Logprob', 'apply_penalties', 'filter_logits', 'Sampler', 'detokenize_incrementally', 'CompletionOutput',
            'RequestMetrics', 'RequestOutput', 'ModelRunner', 'EngineStats', 'StepRecord', 'LLMEngine', 'LLM', 'main']
 
-# %% ../nbs/04_engine.ipynb #a0298963
+# %% ../nbs/04_engine.ipynb #f16024ee
 @dataclass
 class Logprob:
     "A token's log-probability and its rank in the model's distribution."
@@ -68,20 +68,30 @@ class Sampler:
         "logits: [B, V] float32 -> (token per row, logprobs per row or None)."
         want_lp = [s.params.logprobs is not None for s in seqs]
         raw_lp = torch.log_softmax(logits, -1) if any(want_lp) else None
-        logits = logits.clone()
-        tokens: list[int] = []
-        for i, (seq, gen) in enumerate(zip(seqs, generators)):
+        # Rows that need nothing but an arg-max (greedy, no penalty, nothing banned) take one batched call;
+        # the others are processed one by one, on a copy of the logits.
+        plain = [s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.frequency_penalty
+                 and not s.params.presence_penalty and s.num_output_tokens >= s.params.min_tokens for s in seqs]
+        tokens: list[int] = [0] * len(seqs)
+        idx = [i for i, f in enumerate(plain) if f]
+        if idx:
+            best = (logits if len(idx) == len(seqs) else logits[idx]).argmax(-1).tolist()
+            for i, t in zip(idx, best): tokens[i] = t
+        rest = [i for i, f in enumerate(plain) if not f]
+        if rest: logits = logits.clone()
+        for i in rest:
+            seq, gen = seqs[i], generators[i]
             p, row = seq.params, logits[i]
             apply_penalties(row, seq.prompt_token_ids, seq.output_token_ids, p)
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
                 if banned: row[torch.tensor(banned, device=row.device)] = float("-inf")
             if p.greedy:
-                tokens.append(int(row.argmax())); continue
+                tokens[i] = int(row.argmax()); continue
             row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = row.softmax(-1)
             noise = torch.empty_like(probs).exponential_(generator=gen if gen is not None else self.generator)
-            tokens.append(int((probs / noise).argmax()))
+            tokens[i] = int((probs / noise).argmax())
         lps: list[dict[int, Logprob] | None] = []
         for i, t in enumerate(tokens):
             if not want_lp[i]: lps.append(None); continue

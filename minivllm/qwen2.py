@@ -25,14 +25,14 @@ from tqdm.auto import tqdm
 
 # %% auto #0
 __all__ = ['DTYPES', 'GGUF_NAMES', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED_SHA256', 'BUNDLED_SIZE', 'BUNDLED_PARTS',
-           'HUB_PATTERNS', 'ModelLoadError', 'UnsupportedArchitecture', 'Qwen2Config', 'RMSNorm', 'RotaryEmbedding',
-           'rotate_half', 'apply_rotary', 'AttentionMetadata', 'causal_attention', 'ContiguousKVCache',
-           'ContiguousBatch', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM',
-           'resolve_device', 'resolve_dtype', 'model_from_tensors', 'safetensors_files', 'load_safetensors_model',
-           'gguf_to_hf_name', 'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model',
-           'tokenizer_from_gguf', 'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir',
-           'assemble_bundled_gguf', 'convert_gguf_to_folder', 'bundled_model_folder', 'resolve_model', 'load_model',
-           'greedy_generate']
+           'PACK_BATCH_HINT', 'HUB_PATTERNS', 'ModelLoadError', 'UnsupportedArchitecture', 'Qwen2Config', 'RMSNorm',
+           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'AttentionMetadata', 'causal_attention',
+           'ContiguousKVCache', 'ContiguousBatch', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model',
+           'Qwen2ForCausalLM', 'resolve_device', 'resolve_dtype', 'model_from_tensors', 'safetensors_files',
+           'load_safetensors_model', 'gguf_to_hf_name', 'open_gguf', 'gguf_metadata', 'gguf_config',
+           'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf', 'ChatTemplateError', 'render_chat_template',
+           'Tokenizer', 'cache_dir', 'assemble_bundled_gguf', 'convert_gguf_to_folder', 'bundled_model_folder',
+           'packing_supported', 'PackedLinear', 'pack_linears', 'resolve_model', 'load_model', 'greedy_generate']
 
 # %% ../nbs/01_qwen2.ipynb #4c37082e
 class ModelLoadError(ValueError):
@@ -642,7 +642,52 @@ def bundled_model_folder() -> Path:
     if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file(): return folder
     return convert_gguf_to_folder(assemble_bundled_gguf(), folder)
 
-# %% ../nbs/01_qwen2.ipynb #f20d6adc
+# %% ../nbs/01_qwen2.ipynb #477b4d37
+import functools
+
+@functools.cache
+def packing_supported(dtype: torch.dtype = torch.float32) -> bool:
+    "Whether oneDNN can reorder and run `dtype` weights on this CPU."
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), w, None, "none", [], "")
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+PACK_BATCH_HINT = 32  # the batch the layout is tuned for; on the build machines 32 served 1 to 64 rows best
+
+class PackedLinear(nn.Linear):
+    "An `nn.Linear` whose weight is reordered once into oneDNN's blocked layout (CPU inference only)."
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> PackedLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        w = lin.weight.detach()
+        new.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), requires_grad=False)
+        new.bias = None if lin.bias is None else nn.Parameter(lin.bias.detach(), requires_grad=False)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias,
+                                               "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+def pack_linears(model: nn.Module) -> int:
+    "Replace every `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. CPU only."
+    todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear]
+    if not todo: return 0
+    w = todo[0][2].weight
+    if w.device.type != "cpu" or not packing_supported(w.dtype):
+        raise ValueError(f"oneDNN cannot pack {str(w.dtype).removeprefix('torch.')} weights on {w.device} here; "
+                         "use pack=False")
+    with torch.no_grad():
+        for parent, name, child in todo: setattr(parent, name, PackedLinear.from_linear(child))
+    return len(todo)
+
+# %% ../nbs/01_qwen2.ipynb #76d2999a
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 
@@ -662,13 +707,19 @@ def resolve_model(model: str | Path | None = None) -> Path:
     try: return Path(snapshot_download(repo_id=s, allow_patterns=HUB_PATTERNS))
     except Exception as e: raise ModelLoadError(f"{s}: could not download from the Hugging Face Hub: {e}") from None
 
-def load_model(model: str | Path | None = None, dtype=None, device=None) -> tuple[Qwen2ForCausalLM, Tokenizer]:
-    "Load a Qwen2 model and its tokenizer from anything `resolve_model` accepts."
+def load_model(model: str | Path | None = None, dtype=None, device=None,
+               pack: bool | None = None) -> tuple[Qwen2ForCausalLM, Tokenizer]:
+    "Load a Qwen2 model and its tokenizer from anything `resolve_model` accepts; `pack`: oneDNN weights (None: where supported)."
     path = resolve_model(model)
     if path.is_file():
         if path.suffix != ".gguf": raise ModelLoadError(f"{path}: expected a .gguf file or a model folder")
-        return load_gguf_model(path, dtype, device), Tokenizer.from_gguf(open_gguf(path))
-    return load_safetensors_model(path, dtype, device), Tokenizer.from_folder(path)
+        m, tok = load_gguf_model(path, dtype, device), Tokenizer.from_gguf(open_gguf(path))
+    else:
+        m, tok = load_safetensors_model(path, dtype, device), Tokenizer.from_folder(path)
+    w = m.lm_head.weight
+    if pack is None: pack = w.device.type == "cpu" and packing_supported(w.dtype)
+    if pack: pack_linears(m)
+    return m, tok
 
 # %% ../nbs/01_qwen2.ipynb #4090fff1
 @torch.inference_mode()

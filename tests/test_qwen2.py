@@ -687,3 +687,52 @@ def test_bundled_chat_template(bundled):
     print(f"bundled chat template text identical to transformers: {ok}/{len(convs)} (GGUF), "
           f"{ok_folder}/{len(convs)} (converted folder)")
     assert ok == ok_folder == len(convs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# oneDNN prepacked weights (the CPU default of load_model where oneDNN supports the dtype)
+
+needs_packing = pytest.mark.skipif(not qwen2.packing_supported(torch.float32), reason="oneDNN packing unavailable")
+
+
+@needs_packing
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_packed_model_matches_transformers(name, ids, tmp_path):
+    hf = tiny_hf(11, **TINY_CONFIGS[name])
+    hf.save_pretrained(tmp_path)
+    packed, plain = load_safetensors_model(tmp_path), load_safetensors_model(tmp_path)
+    n = qwen2.pack_linears(packed)
+    assert n == 7 * hf.config.num_hidden_layers + 1
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    ref = hf_logits(hf, ids)
+    assert max_diff(our_logits(packed, ids), ref) <= LOGIT_TOL
+    assert max_diff(our_logits(packed, ids), our_logits(plain, ids)) <= LOGIT_TOL
+    if hf.config.tie_word_embeddings:  # the head gets a packed copy; the embedding keeps the plain table
+        assert packed.lm_head.weight is not packed.model.embed_tokens.weight
+        assert packed.model.embed_tokens.weight.layout == torch.strided
+
+
+@needs_packing
+def test_load_model_packs_by_default_on_cpu_and_pack_false_keeps_linear(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf(0), "F32")
+    packed, _ = load_model(path, dtype="float32", device="cpu")
+    plain, _ = load_model(path, dtype="float32", device="cpu", pack=False)
+    assert type(packed.lm_head) is qwen2.PackedLinear and type(plain.lm_head) is torch.nn.Linear
+    assert packed.lm_head.weight.dtype == torch.float32 and packed.lm_head.weight.device.type == "cpu"
+    if not qwen2.packing_supported(torch.bfloat16):  # most AVX2-only CPUs: a clear error, not a crash
+        with pytest.raises(ValueError, match="oneDNN cannot pack bfloat16"):
+            load_model(path, dtype="bfloat16", device="cpu", pack=True)
+        m, _ = load_model(path, dtype="bfloat16", device="cpu")  # pack=None: plain nn.Linear, no error
+        assert type(m.lm_head) is torch.nn.Linear
+
+
+def test_packing_refuses_non_cpu_or_unsupported_gracefully():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with torch.device("meta"): meta = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="oneDNN cannot pack"): qwen2.pack_linears(meta)
+    assert qwen2.pack_linears(torch.nn.Sequential(torch.nn.ReLU())) == 0
+    if qwen2.packing_supported(torch.float32):
+        x = torch.randn(3, 5, 4)
+        ref = m(x)
+        assert qwen2.pack_linears(m) == 1 and torch.allclose(m(x), ref, atol=1e-5)
