@@ -61,7 +61,7 @@ class BlockAllocator:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0: self.free_ids[block] = None
 
-# %% ../nbs/02_paged_cache.ipynb #fbfc726a
+# %% ../nbs/02_paged_cache.ipynb #0548a13c
 @dataclass(eq=False)  # identity, not value: a fork must never be mistaken for its parent
 class BlockTable:
     "One sequence's blocks, in token order, and the number of token slots reserved in them."
@@ -90,6 +90,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_hash: list[int | None] = [None] * num_blocks            # chained hash of a full, computed block
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # its tokens, to confirm a hash hit
+        self.block_parent: list[tuple | None] = [None] * num_blocks        # (block before it, that block's hash)
         self.cached: dict[int, int] = {}                                  # hash -> block id
         self.prefix_queries = self.prefix_hits = 0                        # in tokens
 
@@ -99,7 +100,7 @@ class BlockManager:
         h = self.block_hash[b]
         if h is not None:
             if self.cached.get(h) == b: del self.cached[h]
-            self.block_hash[b] = self.block_tokens[b] = None
+            self.block_hash[b] = self.block_tokens[b] = self.block_parent[b] = None
         return b
 
     @property
@@ -168,7 +169,10 @@ class BlockManager:
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, toks)
             b = self.cached.get(h)
-            if b is None or self.block_tokens[b] != toks: break   # a hash hit is confirmed against the tokens
+            prev = (table.blocks[-1], parent) if table.blocks else (None, None)
+            # a hash hit is confirmed: the same tokens, after the very block (and hash) we matched before, which was
+            # confirmed the same way back to the first block; so a hash collision can only cost a miss
+            if b is None or self.block_tokens[b] != toks or self.block_parent[b] != prev: break
             if self.allocator.ref_counts[b] == 0: self.allocator.take(b)  # revive a freed block that kept its K/V
             else: self.allocator.incref(b)
             table.blocks.append(b)
@@ -188,6 +192,7 @@ class BlockManager:
             h = self.chain_hash(parent, toks)
             if self.block_hash[b] is None and h not in self.cached:
                 self.cached[h], self.block_hash[b], self.block_tokens[b] = b, h, toks
+                self.block_parent[b] = (table.blocks[i - 1], parent) if i else (None, None)
             parent = h
             table.num_hashed, table.last_hash = i + 1, h
 

@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -35,3 +36,16 @@ def tiny_model_folder(d: Path, seed: int = 0, sharp: bool = False) -> Path:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": tmpl, "eos_token": "<|im_end|>"}))
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    "The tiny model folder, once per test module (a module may define its own `tiny_folder` instead)."
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    "The tiny model and its tokenizer, loaded once per test module."
+    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+    return load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)

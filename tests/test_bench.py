@@ -3,28 +3,15 @@ background thread and as a separate process), its vLLM-style metrics, the decode
 The figures themselves come from `#| bench` cells on the bundled model; these tests check the machinery that makes
 them, so that a wrong count or definition cannot hide behind a plausible number."""
 import socket
-import statistics
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model_folder
 
 import minivllm.bench as bench
 from minivllm.engine import LLMEngine
-from minivllm.qwen2 import Tokenizer, load_safetensors_model
 from minivllm.server import BackgroundServer, build_app
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-bench"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_folder):
-    return load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
 
 
 @pytest.fixture(scope="module")

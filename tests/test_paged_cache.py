@@ -299,6 +299,28 @@ def test_prefix_cache_lookup_and_revival():
     assert off.allocate_prefix(off.new_table(), system + [1]) == 0 and off.cached == {}
 
 
+
+@pytest.mark.parametrize("weak_hash", [lambda parent, toks: hash(toks), lambda parent, toks: 7],
+                         ids=["ignores-the-parent", "constant"])
+def test_hash_collisions_cost_a_miss_never_a_wrong_block(monkeypatch, weak_hash):
+    "With a hash that collides on purpose, a lookup may miss but never returns a block computed after other tokens."
+    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(weak_hash))
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    X, Y, B = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+    a = bm.new_table(); bm.append(a, 9); bm.register_full_blocks(a, X + B + [0], 9)      # publishes X, then B after X
+    c = bm.new_table(); bm.append(c, 5); bm.register_full_blocks(c, Y + [0], 5)          # publishes Y (if it can)
+    for prompt, ok in [(X + B + [0], X + B), (Y + B + [0], Y), (B + B + [0], B)]:
+        t = bm.new_table()
+        n = bm.allocate_prefix(t, prompt)
+        assert n <= len(ok)                                  # never more than the truly shared blocks
+        for i, blk in enumerate(t.blocks):                   # and every block returned holds what the prompt says,
+            assert bm.block_tokens[blk] == tuple(prompt[i * 4:(i + 1) * 4])
+            assert bm.block_parent[blk][0] == (t.blocks[i - 1] if i else None)               # after the same block
+        bm.free(t)
+    t = bm.new_table()
+    assert bm.allocate_prefix(t, Y + B + [0]) <= 4 and a.blocks[1] not in t.blocks          # B-after-X is not B-after-Y
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # KV pools
 

@@ -13,24 +13,13 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import tiny_model_folder
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.engine import LLMEngine
-from minivllm.qwen2 import Tokenizer, load_model, load_safetensors_model
+from minivllm.qwen2 import load_model
 from minivllm.server import AsyncEngine, BackgroundServer, available_cores, build_app
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_folder):
-    return load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
 
 
 def tiny_app(tiny, **kw):
