@@ -300,7 +300,7 @@ def print_serving(res: dict) -> None:
     for m in ("ttft", "tpot", "itl", "e2el"):
         print(f"{m.upper() + ' ms (mean/p50/p99)':<28}{res[f'mean_{m}_ms']:.1f} / {res[f'p50_{m}_ms']:.1f} / {res[f'p99_{m}_ms']:.1f}")
 
-# %% ../nbs/06_benchmarks.ipynb #cec6f63f
+# %% ../nbs/06_benchmarks.ipynb #d18f0e7f
 from contextlib import contextmanager
 
 @contextmanager
@@ -329,14 +329,14 @@ def compare_servers(servers: dict[str, tuple[list[str], str]], concurrencies=(1,
                     min_tokens: int = 16, max_tokens: int = 128) -> list[dict]:
     "servers: name -> (command, base URL). Each server, each concurrency: `serve_benchmark` with `num_prompts(c)` prompts."
     rng = random.Random(seed)
-    n_max = max((num_prompts or (lambda c: max(4, 2 * c)))(c) for c in concurrencies)
-    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n_max)]
+    num_prompts = num_prompts or (lambda c: max(4, 2 * c))
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(max(map(num_prompts, concurrencies)))]
     lens = [rng.randint(min_tokens, max_tokens) for _ in prompts]
     rows = []
     for name, (cmd, url) in servers.items():
         with server_process(cmd, url) as model:
             for c in concurrencies:
-                n = (num_prompts or (lambda c: max(4, 2 * c)))(c)
+                n = num_prompts(c)
                 res = serve_benchmark(url, model, prompts[:n], lens[:n], max_concurrency=c, seed=seed, progress=False)
                 rows.append({"server": name, "concurrency": c, "prompts": n, "requested_tokens": sum(lens[:n]), **res})
     return rows
@@ -402,7 +402,7 @@ def long_prompt_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, prompt_
                                             "long_prompt_s": total, "gaps_s": gaps}
     return res
 
-# %% ../nbs/06_benchmarks.ipynb #8c92d513
+# %% ../nbs/06_benchmarks.ipynb #11067ee0
 def main(argv: list[str] | None = None) -> None:
     "Command-line entry: offline (ours vs transformers) or serve (any OpenAI-compatible server)."
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__)
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     off.add_argument("--model", default=None, help="HF repo id, folder or .gguf (default: the bundled model)")
     off.add_argument("--dtype", default="float32", help="float32 or bfloat16 (CPU); float16/bfloat16 on CUDA")
     off.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    off.add_argument("--num-requests", type=int, default=None, help="requests per concurrency (default max(c, 8))")
+    off.add_argument("--num-requests", type=int, default=None, help="requests per concurrency (default max(2c, 8))")
     off.add_argument("--min-tokens", type=int, default=8); off.add_argument("--max-tokens", type=int, default=64)
     off.add_argument("--seed", type=int, default=0); off.add_argument("--json", default=None, help="write results here")
     prf = sub.add_parser("profile", help="where a decode step's time goes, and the batch-1 roofline")
