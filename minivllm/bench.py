@@ -29,63 +29,105 @@ __all__ = ['QUESTIONS', 'PROFILE_SHARES', 'BenchRequest', 'make_requests', 'run_
 
 # %% ../nbs/06_benchmarks.ipynb #d7a18360
 QUESTIONS = [
-    "Write a Python function that checks whether a string is a palindrome.", "Explain what a hash table is.",
-    "How do I read a CSV file in Python?", "What is the difference between a list and a tuple?",
-    "Write a function that returns the n-th Fibonacci number.", "Explain recursion with an example.",
-    "What does the `yield` keyword do in Python?", "Write a SQL query that returns the ten newest orders.",
-    "How does binary search work?", "What is a race condition?", "Write a bash script that counts lines in files.",
-    "Explain Big-O notation briefly.", "How do I merge two dictionaries in Python?", "What is a closure?",
-    "Write a JavaScript function that debounces another function.", "Explain the difference between TCP and UDP.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash table is.",
+    "How do I read a CSV file in Python?",
+    "What is the difference between a list and a tuple?",
+    "Write a function that returns the n-th Fibonacci number.",
+    "Explain recursion with an example.",
+    "What does the `yield` keyword do in Python?",
+    "Write a SQL query that returns the ten newest orders.",
+    "How does binary search work?",
+    "What is a race condition?",
+    "Write a bash script that counts lines in files.",
+    "Explain Big-O notation briefly.",
+    "How do I merge two dictionaries in Python?",
+    "What is a closure?",
+    "Write a JavaScript function that debounces another function.",
+    "Explain the difference between TCP and UDP.",
 ]
+
 
 @dataclass
 class BenchRequest:
     "One benchmark request: a prompt and how many tokens it asks for."
+
     prompt_token_ids: list[int]
     max_tokens: int
 
-def make_requests(tokenizer: Tokenizer, n: int, seed: int = 0, min_tokens: int = 8, max_tokens: int = 64) -> list[BenchRequest]:
+
+def make_requests(
+    tokenizer: Tokenizer, n: int, seed: int = 0, min_tokens: int = 8, max_tokens: int = 64
+) -> list[BenchRequest]:
     "n chat requests with seeded output lengths in [min_tokens, max_tokens]."
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        q = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (variant {i // len(QUESTIONS)})")
+        q = QUESTIONS[i % len(QUESTIONS)] + (
+            "" if i < len(QUESTIONS) else f" (variant {i // len(QUESTIONS)})"
+        )
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
         out.append(BenchRequest(ids, rng.randint(min_tokens, max_tokens)))
     return out
 
 # %% ../nbs/06_benchmarks.ipynb #ae663fff
-def run_ours(model: Qwen2ForCausalLM, tokenizer: Tokenizer, requests: list[BenchRequest], concurrency: int,
-             **engine_kw) -> dict:
+def run_ours(
+    model: Qwen2ForCausalLM, tokenizer: Tokenizer, requests: list[BenchRequest], concurrency: int, **engine_kw
+) -> dict:
     "Time our engine on the requests with at most `concurrency` running; returns seconds, tokens and checks."
     eng = LLMEngine(model, tokenizer, max_num_seqs=concurrency, **engine_kw)
-    ids = [eng.add_request({"prompt_token_ids": r.prompt_token_ids},
-                           SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)) for r in requests]
+    ids = [
+        eng.add_request(
+            {"prompt_token_ids": r.prompt_token_ids},
+            SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True),
+        )
+        for r in requests
+    ]
     done: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     while eng.has_unfinished_requests():
         for o in eng.step():
-            if o.finished: done[o.request_id] = o.outputs[0].token_ids
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
     dt = time.perf_counter() - t0
     got = sum(len(done[i]) for i in ids)
     assert got == sum(r.max_tokens for r in requests), "every request must produce exactly max_tokens tokens"
-    return {"seconds": dt, "tokens": got, "tok_per_s": got / dt, "steps": eng.num_steps,
-            "preemptions": eng.stats().num_preemptions, "outputs": [done[i] for i in ids]}
+    return {
+        "seconds": dt,
+        "tokens": got,
+        "tok_per_s": got / dt,
+        "steps": eng.num_steps,
+        "preemptions": eng.stats().num_preemptions,
+        "outputs": [done[i] for i in ids],
+    }
+
 
 def run_hf(hf_model, requests: list[BenchRequest], concurrency: int, pad_id: int) -> dict:
     "Time transformers' generate over batches of `concurrency`, left-padded, greedy, no EOS."
     dev = next(hf_model.parameters()).device
     outputs, t0 = [], time.perf_counter()
     for s in range(0, len(requests), concurrency):
-        batch = requests[s:s + concurrency]
+        batch = requests[s : s + concurrency]
         L = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.tensor([[pad_id] * (L - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch], device=dev)
-        mask = torch.tensor([[0] * (L - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch], device=dev)
+        ids = torch.tensor(
+            [[pad_id] * (L - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch], device=dev
+        )
+        mask = torch.tensor(
+            [[0] * (L - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch], device=dev
+        )
         new = max(r.max_tokens for r in batch)
         with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                    repetition_penalty=1.0, pad_token_id=pad_id, eos_token_id=None)
-        outputs += [out[i, L:L + r.max_tokens].tolist() for i, r in enumerate(batch)]
+            out = hf_model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                repetition_penalty=1.0,
+                pad_token_id=pad_id,
+                eos_token_id=None,
+            )
+        outputs += [out[i, L : L + r.max_tokens].tolist() for i, r in enumerate(batch)]
     dt = time.perf_counter() - t0
     tokens = sum(r.max_tokens for r in requests)
     return {"seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt, "outputs": outputs}
@@ -95,19 +137,51 @@ def machine_info() -> dict:
     "Cores, CPU flags that matter for matmuls, torch version and threads."
     flags = ""
     try:
-        with open("/proc/cpuinfo") as f: flags = next((l for l in f if l.startswith("flags")), "")
-    except OSError: pass
+        with open("/proc/cpuinfo") as f:
+            flags = next((l for l in f if l.startswith("flags")), "")
+    except OSError:
+        pass
     model = ""
     try:
-        with open("/proc/cpuinfo") as f: model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-    except OSError: pass
-    keep = [k for k in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16", "amx_tile")
-            if k in flags.split()]
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "flags": keep, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    except OSError:
+        pass
+    keep = [
+        k
+        for k in (
+            "avx2",
+            "fma",
+            "avx512f",
+            "avx512bw",
+            "avx512_bf16",
+            "avx_ne_convert",
+            "amx_bf16",
+            "amx_tile",
+        )
+        if k in flags.split()
+    ]
+    return {
+        "cpu": model or platform.processor(),
+        "cores": os.cpu_count(),
+        "flags": keep,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
-def offline_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, hf_model, concurrencies=(1, 4, 16, 64),
-                      num_requests=None, seed: int = 0, min_tokens: int = 8, max_tokens: int = 64, **engine_kw) -> list[dict]:
+
+def offline_benchmark(
+    model: Qwen2ForCausalLM,
+    tokenizer: Tokenizer,
+    hf_model,
+    concurrencies=(1, 4, 16, 64),
+    num_requests=None,
+    seed: int = 0,
+    min_tokens: int = 8,
+    max_tokens: int = 64,
+    **engine_kw,
+) -> list[dict]:
     "Ours vs transformers at each concurrency; num_requests(c) defaults to max(2c, 8): two batches or more for transformers."
     rows = []
     pad = tokenizer.tok.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else 0
@@ -117,89 +191,161 @@ def offline_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, hf_model, c
         ours = run_ours(model, tokenizer, reqs, c, **engine_kw)
         hf = run_hf(hf_model, reqs, c, pad)
         same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"]))
-        rows.append({"concurrency": c, "requests": n, "tokens": ours["tokens"], "ours_tok_s": ours["tok_per_s"],
-                     "hf_tok_s": hf["tok_per_s"], "speedup": ours["tok_per_s"] / hf["tok_per_s"],
-                     "ours_s": ours["seconds"], "hf_s": hf["seconds"], "identical": same, "ours_steps": ours["steps"],
-                     "hf_steps": sum(max(r.max_tokens for r in reqs[i:i + c]) for i in range(0, n, c)),
-                     "dtype": str(next(model.parameters()).dtype).replace("torch.", "")})
+        rows.append(
+            {
+                "concurrency": c,
+                "requests": n,
+                "tokens": ours["tokens"],
+                "ours_tok_s": ours["tok_per_s"],
+                "hf_tok_s": hf["tok_per_s"],
+                "speedup": ours["tok_per_s"] / hf["tok_per_s"],
+                "ours_s": ours["seconds"],
+                "hf_s": hf["seconds"],
+                "identical": same,
+                "ours_steps": ours["steps"],
+                "hf_steps": sum(max(r.max_tokens for r in reqs[i : i + c]) for i in range(0, n, c)),
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            }
+        )
     return rows
+
 
 def print_table(rows: list[dict]) -> None:
     "The offline results as a table."
-    print(f"{'dtype':>9} {'c':>3} {'reqs':>5} {'tokens':>7} {'ours tok/s':>11} {'HF tok/s':>9} {'speedup':>8} {'identical':>10}")
+    print(
+        f"{'dtype':>9} {'c':>3} {'reqs':>5} {'tokens':>7} {'ours tok/s':>11} {'HF tok/s':>9} {'speedup':>8} {'identical':>10}"
+    )
     for r in rows:
-        print(f"{r['dtype']:>9} {r['concurrency']:>3} {r['requests']:>5} {r['tokens']:>7} {r['ours_tok_s']:>11.1f} "
-              f"{r['hf_tok_s']:>9.1f} {r['speedup']:>7.2f}x {r['identical']:>5}/{r['requests']}")
+        print(
+            f"{r['dtype']:>9} {r['concurrency']:>3} {r['requests']:>5} {r['tokens']:>7} {r['ours_tok_s']:>11.1f} "
+            f"{r['hf_tok_s']:>9.1f} {r['speedup']:>7.2f}x {r['identical']:>5}/{r['requests']}"
+        )
 
 # %% ../nbs/06_benchmarks.ipynb #81bcb014
 def results_dir() -> Path:
     "The folder of committed benchmark results: `nbs/results`, from the repository root or from `nbs/`."
     for p in (Path("results"), Path("nbs") / "results"):
-        if p.is_dir(): return p
+        if p.is_dir():
+            return p
     return Path("results")
 
 # %% ../nbs/06_benchmarks.ipynb #d0756113
 class _SectionTimer:
     "Exclusive wall time per label of temporarily wrapped methods."
-    def __init__(self): self.seconds, self._stack, self._undo = {}, [], []
+
+    def __init__(self):
+        self.seconds, self._stack, self._undo = {}, [], []
 
     def wrap(self, owner, attr: str, label) -> None:
         raw, call = owner.__dict__.get(attr), getattr(owner, attr)
+
         def timed(*a, **k):
             lab = label(a[0]) if callable(label) else label
-            t0 = time.perf_counter(); self._stack.append(0.0)
-            try: return call(*a, **k)
+            t0 = time.perf_counter()
+            self._stack.append(0.0)
+            try:
+                return call(*a, **k)
             finally:
-                dt = time.perf_counter() - t0; inner = self._stack.pop()
+                dt = time.perf_counter() - t0
+                inner = self._stack.pop()
                 self.seconds[lab] = self.seconds.get(lab, 0.0) + dt - inner
-                if self._stack: self._stack[-1] += dt
-        setattr(owner, attr, timed); self._undo.append((owner, attr, raw))
+                if self._stack:
+                    self._stack[-1] += dt
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, raw))
 
     def undo(self) -> None:
         for owner, attr, raw in reversed(self._undo):
-            if raw is None: delattr(owner, attr)
-            else: setattr(owner, attr, raw)
+            if raw is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, raw)
         self._undo.clear()
 
-PROFILE_SHARES = ["matmuls (layers)", "matmul (LM head)", "attention", "norms, rotary, activations", "sampling",
-                  "input preparation", "Python: scheduling, bookkeeping"]
 
-def decode_profile(model: Qwen2ForCausalLM, tokenizer: Tokenizer, batch_size: int, steps: int = 8,
-                   torch_table: bool = False, **engine_kw) -> dict:
+PROFILE_SHARES = [
+    "matmuls (layers)",
+    "matmul (LM head)",
+    "attention",
+    "norms, rotary, activations",
+    "sampling",
+    "input preparation",
+    "Python: scheduling, bookkeeping",
+]
+
+
+def decode_profile(
+    model: Qwen2ForCausalLM,
+    tokenizer: Tokenizer,
+    batch_size: int,
+    steps: int = 8,
+    torch_table: bool = False,
+    **engine_kw,
+) -> dict:
     "Milliseconds per decode step at `batch_size` running sequences, split into PROFILE_SHARES."
     import torch.nn as nn
     from minivllm.engine import ModelRunner, Sampler
     from minivllm.paged_cache import PagedBatch
     from minivllm.qwen2 import PackedLinear
     from minivllm.scheduler import Scheduler
+
     eng = LLMEngine(model, tokenizer, max_num_seqs=batch_size, log_steps=True, **engine_kw)
     for r in make_requests(tokenizer, batch_size):
-        eng.add_request({"prompt_token_ids": r.prompt_token_ids}, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
-    while not eng.step_log or eng.step_log[-1].prefill_tokens or eng.step_log[-1].decode_seqs < batch_size: eng.step()
-    eng.step()                                                        # one more, so that nothing is first-time
+        eng.add_request(
+            {"prompt_token_ids": r.prompt_token_ids},
+            SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True),
+        )
+    while not eng.step_log or eng.step_log[-1].prefill_tokens or eng.step_log[-1].decode_seqs < batch_size:
+        eng.step()
+    eng.step()  # one more, so that nothing is first-time
     tm = _SectionTimer()
-    py, prep, lin = "Python: scheduling, bookkeeping", "input preparation", lambda m: "matmul (LM head)" if m is model.lm_head else "matmuls (layers)"
-    for owner, attr, label in [(LLMEngine, "step", py), (Scheduler, "schedule", py), (LLMEngine, "_update", py),
-                               (ModelRunner, "run", prep), (PagedBatch, "build", prep), (nn.Linear, "forward", lin),
-                               (PackedLinear, "forward", lin), (PagedBatch, "attend", "attention"),
-                               (type(model), "forward", "norms, rotary, activations"),
-                               (type(model), "compute_logits", "matmul (LM head)"), (Sampler, "__call__", "sampling")]:
+    py, prep, lin = (
+        "Python: scheduling, bookkeeping",
+        "input preparation",
+        lambda m: "matmul (LM head)" if m is model.lm_head else "matmuls (layers)",
+    )
+    for owner, attr, label in [
+        (LLMEngine, "step", py),
+        (Scheduler, "schedule", py),
+        (LLMEngine, "_update", py),
+        (ModelRunner, "run", prep),
+        (PagedBatch, "build", prep),
+        (nn.Linear, "forward", lin),
+        (PackedLinear, "forward", lin),
+        (PagedBatch, "attend", "attention"),
+        (type(model), "forward", "norms, rotary, activations"),
+        (type(model), "compute_logits", "matmul (LM head)"),
+        (Sampler, "__call__", "sampling"),
+    ]:
         tm.wrap(owner, attr, label)
     try:
         t0 = time.perf_counter()
-        for _ in range(steps): eng.step()
+        for _ in range(steps):
+            eng.step()
         wall = time.perf_counter() - t0
-    finally: tm.undo()
+    finally:
+        tm.undo()
     table = None
     if torch_table:
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(3): eng.step()
+            for _ in range(3):
+                eng.step()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    for r in list(eng.requests): eng.abort(r)
+    for r in list(eng.requests):
+        eng.abort(r)
     ms = {k: tm.seconds.get(k, 0.0) / steps * 1e3 for k in PROFILE_SHARES}
-    return {"batch_size": batch_size, "ms_per_step": wall / steps * 1e3, "tok_per_s": batch_size * steps / wall,
-            "ms": ms, "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""), "torch_table": table}
+    return {
+        "batch_size": batch_size,
+        "ms_per_step": wall / steps * 1e3,
+        "tok_per_s": batch_size * steps / wall,
+        "ms": ms,
+        "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
+        "torch_table": table,
+    }
+
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     "Read bandwidth in GB/s: the best of `repeats` sums over a `gib` GiB float32 tensor, with torch's threads."
@@ -207,89 +353,147 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     x.sum()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter(); x.sum(); best = min(best, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
     return x.nbytes / best / 1e9
+
 
 def decode_bytes_per_step(model: Qwen2ForCausalLM) -> int:
     "Bytes of weights a decode step must read: every weight but the embedding table, plus one embedding row."
     emb, head = model.model.embed_tokens.weight, model.lm_head.weight
     rest = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
-    return rest + (head.numel() * head.element_size() if head is emb else 0) + emb.shape[1] * emb.element_size()
+    return (
+        rest + (head.numel() * head.element_size() if head is emb else 0) + emb.shape[1] * emb.element_size()
+    )
 
 # %% ../nbs/06_benchmarks.ipynb #fd7b55d2
 def _pct(xs: list[float], p: float) -> float:
-    if not xs: return float("nan")
+    if not xs:
+        return float("nan")
     xs = sorted(xs)
     k = (len(xs) - 1) * p / 100
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
+
 def _summary(name: str, xs: list[float]) -> dict:
-    return {f"mean_{name}_ms": statistics.fmean(xs) * 1e3 if xs else float("nan"),
-            f"p50_{name}_ms": _pct(xs, 50) * 1e3, f"p99_{name}_ms": _pct(xs, 99) * 1e3}
+    return {
+        f"mean_{name}_ms": statistics.fmean(xs) * 1e3 if xs else float("nan"),
+        f"p50_{name}_ms": _pct(xs, 50) * 1e3,
+        f"p99_{name}_ms": _pct(xs, 99) * 1e3,
+    }
+
 
 async def _one_request(client, url: str, model: str, prompt: str, max_tokens: int, headers: dict) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, times, usage, text = None, [], None, ""
     async with client.stream("POST", url, json=body, headers=headers) as resp:
         if resp.status_code != 200:
             return {"ok": False, "error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
         async for line in resp.aiter_lines():
-            if not line.startswith("data:"): continue
+            if not line.startswith("data:"):
+                continue
             data = line[5:].strip()
-            if data == "[DONE]": break
+            if data == "[DONE]":
+                break
             chunk = json.loads(data)
-            if chunk.get("usage"): usage = chunk["usage"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
             if chunk.get("choices"):  # as vLLM counts: every chunk that carries a choice, with text or not
                 now = time.perf_counter()
-                if ttft is None: ttft = now - t0
-                times.append(now); text += chunk["choices"][0].get("text") or ""
+                if ttft is None:
+                    ttft = now - t0
+                times.append(now)
+                text += chunk["choices"][0].get("text") or ""
     latency = time.perf_counter() - t0
     n_out = (usage or {}).get("completion_tokens") or len(times)
-    return {"ok": ttft is not None, "ttft": ttft, "latency": latency, "output_tokens": n_out,
-            "itl": [b - a for a, b in zip(times, times[1:])], "error": None if ttft is not None else "no tokens streamed"}
+    return {
+        "ok": ttft is not None,
+        "ttft": ttft,
+        "latency": latency,
+        "output_tokens": n_out,
+        "itl": [b - a for a, b in zip(times, times[1:])],
+        "error": None if ttft is not None else "no tokens streamed",
+    }
 
-async def _serve_benchmark(base_url, model, prompts, max_tokens, request_rate, max_concurrency, seed, api_key, progress):
+
+async def _serve_benchmark(
+    base_url, model, prompts, max_tokens, request_rate, max_concurrency, seed, api_key, progress
+):
     import httpx
     from tqdm.auto import tqdm
+
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency or len(prompts))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + "/completions"
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+
         async def go(p, m):
             async with sem:
                 r = await _one_request(client, url, model, p, m, headers)
             bar.update(1)
             return r
+
         tasks, t0 = [], time.perf_counter()
         for p, m in zip(prompts, max_tokens):
             tasks.append(asyncio.create_task(go(p, m)))
-            if request_rate != float("inf"): await asyncio.sleep(rng.expovariate(request_rate))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
     bar.close()
     return results, dur
 
-def serve_benchmark(base_url: str, model: str, prompts: list[str], max_tokens: list[int],
-                    request_rate: float = float("inf"), max_concurrency: int | None = None, seed: int = 0,
-                    api_key: str | None = None, progress: bool = True) -> dict:
+
+def serve_benchmark(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: list[int],
+    request_rate: float = float("inf"),
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+    progress: bool = True,
+) -> dict:
     "Drive an OpenAI-compatible server; returns vLLM-style serving metrics."
-    results, dur = asyncio.run(_serve_benchmark(base_url, model, prompts, max_tokens, request_rate, max_concurrency,
-                                                seed, api_key, progress))
+    results, dur = asyncio.run(
+        _serve_benchmark(
+            base_url, model, prompts, max_tokens, request_rate, max_concurrency, seed, api_key, progress
+        )
+    )
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     tpot = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
-    res = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": dur,
-           "request_throughput": len(ok) / dur, "output_throughput": out_tokens / dur, "total_output_tokens": out_tokens,
-           **_summary("ttft", [r["ttft"] for r in ok]), **_summary("tpot", tpot),
-           **_summary("itl", [x for r in ok for x in r["itl"]]), **_summary("e2el", [r["latency"] for r in ok])}
+    res = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": dur,
+        "request_throughput": len(ok) / dur,
+        "output_throughput": out_tokens / dur,
+        "total_output_tokens": out_tokens,
+        **_summary("ttft", [r["ttft"] for r in ok]),
+        **_summary("tpot", tpot),
+        **_summary("itl", [x for r in ok for x in r["itl"]]),
+        **_summary("e2el", [r["latency"] for r in ok]),
+    }
     errs = [r["error"] for r in results if not r["ok"]]
-    if errs: res["errors"] = errs[:5]
+    if errs:
+        res["errors"] = errs[:5]
     return res
+
 
 def print_serving(res: dict) -> None:
     "The serving results, vLLM style."
@@ -298,35 +502,53 @@ def print_serving(res: dict) -> None:
     print(f"{'request throughput (req/s)':<28}{res['request_throughput']:.3f}")
     print(f"{'output throughput (tok/s)':<28}{res['output_throughput']:.2f}")
     for m in ("ttft", "tpot", "itl", "e2el"):
-        print(f"{m.upper() + ' ms (mean/p50/p99)':<28}{res[f'mean_{m}_ms']:.1f} / {res[f'p50_{m}_ms']:.1f} / {res[f'p99_{m}_ms']:.1f}")
+        print(
+            f"{m.upper() + ' ms (mean/p50/p99)':<28}{res[f'mean_{m}_ms']:.1f} / {res[f'p50_{m}_ms']:.1f} / {res[f'p99_{m}_ms']:.1f}"
+        )
 
 # %% ../nbs/06_benchmarks.ipynb #d18f0e7f
 from contextlib import contextmanager
+
 
 @contextmanager
 def server_process(cmd: list[str], base_url: str, timeout: float = 900.0):
     "Run a server command; yield the model name its `/v1/models` lists once it answers; stop it on exit."
     import subprocess
     import httpx
+
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.monotonic()
         while True:
-            if proc.poll() is not None: raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before answering")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before answering")
             try:
                 r = httpx.get(base_url.rstrip("/") + "/models", timeout=5)
-                if r.status_code == 200: break
-            except httpx.HTTPError: pass
-            if time.monotonic() - t0 > timeout: raise TimeoutError(f"{cmd[0]} did not answer within {timeout:.0f} s")
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{cmd[0]} did not answer within {timeout:.0f} s")
             time.sleep(1)
         yield r.json()["data"][0]["id"]
     finally:
         proc.terminate()
-        try: proc.wait(30)
-        except subprocess.TimeoutExpired: proc.kill(); proc.wait()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
-def compare_servers(servers: dict[str, tuple[list[str], str]], concurrencies=(1, 16), num_prompts=None, seed: int = 0,
-                    min_tokens: int = 16, max_tokens: int = 128) -> list[dict]:
+
+def compare_servers(
+    servers: dict[str, tuple[list[str], str]],
+    concurrencies=(1, 16),
+    num_prompts=None,
+    seed: int = 0,
+    min_tokens: int = 16,
+    max_tokens: int = 128,
+) -> list[dict]:
     "servers: name -> (command, base URL). Each server, each concurrency: `serve_benchmark` with `num_prompts(c)` prompts."
     rng = random.Random(seed)
     num_prompts = num_prompts or (lambda c: max(4, 2 * c))
@@ -337,20 +559,38 @@ def compare_servers(servers: dict[str, tuple[list[str], str]], concurrencies=(1,
         with server_process(cmd, url) as model:
             for c in concurrencies:
                 n = num_prompts(c)
-                res = serve_benchmark(url, model, prompts[:n], lens[:n], max_concurrency=c, seed=seed, progress=False)
-                rows.append({"server": name, "concurrency": c, "prompts": n, "requested_tokens": sum(lens[:n]), **res})
+                res = serve_benchmark(
+                    url, model, prompts[:n], lens[:n], max_concurrency=c, seed=seed, progress=False
+                )
+                rows.append(
+                    {"server": name, "concurrency": c, "prompts": n, "requested_tokens": sum(lens[:n]), **res}
+                )
     return rows
 
 # %% ../nbs/06_benchmarks.ipynb #dd56bf18
-def shared_prefix_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, system_tokens: int = 700, users: int = 16,
-                            max_tokens: int = 8, **engine_kw) -> dict:
+def shared_prefix_benchmark(
+    model: Qwen2ForCausalLM,
+    tokenizer: Tokenizer,
+    system_tokens: int = 700,
+    users: int = 16,
+    max_tokens: int = 8,
+    **engine_kw,
+) -> dict:
     "TTFT and prefill time for `users` chats sharing a long system prompt, prefix caching on vs off."
     words = " ".join(QUESTIONS) + " "
     system = ""
-    while len(tokenizer.encode(system)) < system_tokens: system += words
+    while len(tokenizer.encode(system)) < system_tokens:
+        system += words
     system = tokenizer.decode(tokenizer.encode(system)[:system_tokens])
-    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                              {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(users)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+            ]
+        )
+        for i in range(users)
+    ]
     res = {}
     for caching in (False, True):
         eng = LLMEngine(model, tokenizer, enable_prefix_caching=caching, log_steps=True, **engine_kw)
@@ -358,48 +598,84 @@ def shared_prefix_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, syste
         pending, arrival, ttft, prefill_s, outputs = list(prompts), {}, {}, 0.0, {}
         while pending or eng.has_unfinished_requests():
             if pending:
-                rid = eng.add_request(pending.pop(0), sp); arrival[rid] = time.perf_counter()
+                rid = eng.add_request(pending.pop(0), sp)
+                arrival[rid] = time.perf_counter()
             n_log = len(eng.step_log)
             outs = eng.step()
-            if len(eng.step_log) > n_log and eng.step_log[-1].prefill_tokens: prefill_s += eng.step_log[-1].seconds
+            if len(eng.step_log) > n_log and eng.step_log[-1].prefill_tokens:
+                prefill_s += eng.step_log[-1].seconds
             for o in outs:
-                if o.request_id not in ttft: ttft[o.request_id] = time.perf_counter() - arrival[o.request_id]
-                if o.finished: outputs[o.request_id] = o.outputs[0].token_ids
+                if o.request_id not in ttft:
+                    ttft[o.request_id] = time.perf_counter() - arrival[o.request_id]
+                if o.finished:
+                    outputs[o.request_id] = o.outputs[0].token_ids
         st = eng.stats()
         t = list(ttft.values())
-        res["on" if caching else "off"] = {"mean_ttft_s": statistics.fmean(t), "p50_ttft_s": _pct(t, 50), "ttft_s": t,
-                                           "prefill_s": prefill_s, "hit_tokens": st.prefix_cache_hits,
-                                           "queried_tokens": st.prefix_cache_queries,
-                                           "outputs": [outputs[r] for r in arrival]}
+        res["on" if caching else "off"] = {
+            "mean_ttft_s": statistics.fmean(t),
+            "p50_ttft_s": _pct(t, 50),
+            "ttft_s": t,
+            "prefill_s": prefill_s,
+            "hit_tokens": st.prefix_cache_hits,
+            "queried_tokens": st.prefix_cache_queries,
+            "outputs": [outputs[r] for r in arrival],
+        }
     res["identical"] = sum(a == b for a, b in zip(res["on"]["outputs"], res["off"]["outputs"]))
     return res
 
-def long_prompt_benchmark(model: Qwen2ForCausalLM, tokenizer: Tokenizer, prompt_tokens: int = 4000, streams: int = 8,
-                          budget: int = 512, **engine_kw) -> dict:
+
+def long_prompt_benchmark(
+    model: Qwen2ForCausalLM,
+    tokenizer: Tokenizer,
+    prompt_tokens: int = 4000,
+    streams: int = 8,
+    budget: int = 512,
+    **engine_kw,
+) -> dict:
     "p99 inter-token latency of decoding streams while a long prompt is prefilled, chunked prefill on vs off."
     long_ids = (tokenizer.encode(" ".join(QUESTIONS) + " ") * (prompt_tokens // 50 + 1))[:prompt_tokens]
     res = {}
     for chunked in (False, True):
-        kw = dict(engine_kw, enable_chunked_prefill=chunked, enable_prefix_caching=False,
-                  max_num_batched_tokens=budget if chunked else max(prompt_tokens + 64, budget))
+        kw = dict(
+            engine_kw,
+            enable_chunked_prefill=chunked,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=budget if chunked else max(prompt_tokens + 64, budget),
+        )
         eng = LLMEngine(model, tokenizer, **kw)
-        sids = [eng.add_request(QUESTIONS[i], SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
-                for i in range(streams)]
-        for _ in range(3): eng.step()                       # the streams are decoding
-        lid = eng.add_request({"prompt_token_ids": long_ids}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        sids = [
+            eng.add_request(QUESTIONS[i], SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
+            for i in range(streams)
+        ]
+        for _ in range(3):
+            eng.step()  # the streams are decoding
+        lid = eng.add_request(
+            {"prompt_token_ids": long_ids}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        )
         last = {r: time.perf_counter() for r in sids}
         gaps: list[float] = []
         t0, total, after = time.perf_counter(), None, set()
-        while total is None or len(after) < streams:    # until the prompt is done and every stream moved on once more
+        while (
+            total is None or len(after) < streams
+        ):  # until the prompt is done and every stream moved on once more
             for o in eng.step():
                 now = time.perf_counter()
                 if o.request_id in last:
-                    gaps.append(now - last[o.request_id]); last[o.request_id] = now
-                    if total is not None: after.add(o.request_id)
-                if o.request_id == lid and o.finished: total = now - t0
-        for r in sids: eng.abort(r)
-        res["on" if chunked else "off"] = {"p99_itl_s": _pct(gaps, 99), "max_itl_s": max(gaps), "mean_itl_s": statistics.fmean(gaps),
-                                            "long_prompt_s": total, "gaps_s": gaps}
+                    gaps.append(now - last[o.request_id])
+                    last[o.request_id] = now
+                    if total is not None:
+                        after.add(o.request_id)
+                if o.request_id == lid and o.finished:
+                    total = now - t0
+        for r in sids:
+            eng.abort(r)
+        res["on" if chunked else "off"] = {
+            "p99_itl_s": _pct(gaps, 99),
+            "max_itl_s": max(gaps),
+            "mean_itl_s": statistics.fmean(gaps),
+            "long_prompt_s": total,
+            "gaps_s": gaps,
+        }
     return res
 
 # %% ../nbs/06_benchmarks.ipynb #11067ee0
@@ -407,73 +683,142 @@ def main(argv: list[str] | None = None) -> None:
     "Command-line entry: offline (ours vs transformers) or serve (any OpenAI-compatible server)."
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    off = sub.add_parser("offline", help="our engine vs transformers' generate on the same model, same process")
+    off = sub.add_parser(
+        "offline", help="our engine vs transformers' generate on the same model, same process"
+    )
     off.add_argument("--model", default=None, help="HF repo id, folder or .gguf (default: the bundled model)")
     off.add_argument("--dtype", default="float32", help="float32 or bfloat16 (CPU); float16/bfloat16 on CUDA")
     off.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    off.add_argument("--num-requests", type=int, default=None, help="requests per concurrency (default max(2c, 8))")
-    off.add_argument("--min-tokens", type=int, default=8); off.add_argument("--max-tokens", type=int, default=64)
-    off.add_argument("--seed", type=int, default=0); off.add_argument("--json", default=None, help="write results here")
+    off.add_argument(
+        "--num-requests", type=int, default=None, help="requests per concurrency (default max(2c, 8))"
+    )
+    off.add_argument("--min-tokens", type=int, default=8)
+    off.add_argument("--max-tokens", type=int, default=64)
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--json", default=None, help="write results here")
     prf = sub.add_parser("profile", help="where a decode step's time goes, and the batch-1 roofline")
-    prf.add_argument("--model", default=None); prf.add_argument("--dtype", default="float32")
+    prf.add_argument("--model", default=None)
+    prf.add_argument("--dtype", default="float32")
     prf.add_argument("--batch-size", type=int, nargs="+", default=[1, 4, 16, 64])
-    prf.add_argument("--steps", type=int, default=8); prf.add_argument("--json", default=None)
-    fea = sub.add_parser("features", help="prefix caching (shared system prompt) and chunked prefill (long prompt), on vs off")
-    fea.add_argument("--model", default=None); fea.add_argument("--dtype", default="float32")
-    fea.add_argument("--system-tokens", type=int, default=700); fea.add_argument("--users", type=int, default=16)
-    fea.add_argument("--prompt-tokens", type=int, default=4000); fea.add_argument("--streams", type=int, default=8)
-    fea.add_argument("--budget", type=int, default=512); fea.add_argument("--json", default=None)
+    prf.add_argument("--steps", type=int, default=8)
+    prf.add_argument("--json", default=None)
+    fea = sub.add_parser(
+        "features", help="prefix caching (shared system prompt) and chunked prefill (long prompt), on vs off"
+    )
+    fea.add_argument("--model", default=None)
+    fea.add_argument("--dtype", default="float32")
+    fea.add_argument("--system-tokens", type=int, default=700)
+    fea.add_argument("--users", type=int, default=16)
+    fea.add_argument("--prompt-tokens", type=int, default=4000)
+    fea.add_argument("--streams", type=int, default=8)
+    fea.add_argument("--budget", type=int, default=512)
+    fea.add_argument("--json", default=None)
     srv = sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming completions")
-    srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1"); srv.add_argument("--model", default=None)
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    srv.add_argument("--model", default=None)
     srv.add_argument("--num-prompts", type=int, default=32)
-    srv.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
+    srv.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (inf: all at once)",
+    )
     srv.add_argument("--max-concurrency", type=int, default=None)
-    srv.add_argument("--min-tokens", type=int, default=16); srv.add_argument("--max-tokens", type=int, default=128)
-    srv.add_argument("--seed", type=int, default=0); srv.add_argument("--api-key", default=None)
+    srv.add_argument("--min-tokens", type=int, default=16)
+    srv.add_argument("--max-tokens", type=int, default=128)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--api-key", default=None)
     srv.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "offline":
         from transformers import AutoModelForCausalLM
         from minivllm.qwen2 import resolve_model
+
         model, tok = load_model(a.model, a.dtype)
         path = resolve_model(a.model)
-        hf = (AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=model.lm_head.weight.dtype)
-              if path.is_file() else AutoModelForCausalLM.from_pretrained(path, dtype=model.lm_head.weight.dtype)).eval()
-        rows = offline_benchmark(model, tok, hf, a.concurrency, (lambda c: a.num_requests) if a.num_requests else None,
-                                 a.seed, a.min_tokens, a.max_tokens)
-        print(json.dumps(machine_info())); print_table(rows)
-        if a.json: Path(a.json).write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2))
+        hf = (
+            AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=model.lm_head.weight.dtype
+            )
+            if path.is_file()
+            else AutoModelForCausalLM.from_pretrained(path, dtype=model.lm_head.weight.dtype)
+        ).eval()
+        rows = offline_benchmark(
+            model,
+            tok,
+            hf,
+            a.concurrency,
+            (lambda c: a.num_requests) if a.num_requests else None,
+            a.seed,
+            a.min_tokens,
+            a.max_tokens,
+        )
+        print(json.dumps(machine_info()))
+        print_table(rows)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2))
     elif a.cmd == "profile":
         model, tok = load_model(a.model, a.dtype)
         bw, nbytes = memory_bandwidth(), decode_bytes_per_step(model)
-        profs = [decode_profile(model, tok, b, a.steps, torch_table=(b == a.batch_size[-1])) for b in a.batch_size]
+        profs = [
+            decode_profile(model, tok, b, a.steps, torch_table=(b == a.batch_size[-1])) for b in a.batch_size
+        ]
         print(json.dumps(machine_info()))
-        print(f"memory bandwidth {bw:.1f} GB/s; a decode step reads {nbytes / 1e9:.2f} GB of weights: "
-              f"at most {bw * 1e9 / nbytes:.1f} tokens/s at batch 1")
+        print(
+            f"memory bandwidth {bw:.1f} GB/s; a decode step reads {nbytes / 1e9:.2f} GB of weights: "
+            f"at most {bw * 1e9 / nbytes:.1f} tokens/s at batch 1"
+        )
         for pr in profs:
-            print(f"batch {pr['batch_size']:>3}: {pr['ms_per_step']:7.1f} ms/step ({pr['tok_per_s']:.1f} tok/s)  " +
-                  ", ".join(f"{k} {v:.0f}" for k, v in pr["ms"].items()))
+            print(
+                f"batch {pr['batch_size']:>3}: {pr['ms_per_step']:7.1f} ms/step ({pr['tok_per_s']:.1f} tok/s)  "
+                + ", ".join(f"{k} {v:.0f}" for k, v in pr["ms"].items())
+            )
         print(profs[-1]["torch_table"])
-        if a.json: Path(a.json).write_text(json.dumps({"machine": machine_info(), "bandwidth_gb_s": bw,
-                                                       "decode_bytes": nbytes, "profiles": profs}, indent=2))
+        if a.json:
+            Path(a.json).write_text(
+                json.dumps(
+                    {
+                        "machine": machine_info(),
+                        "bandwidth_gb_s": bw,
+                        "decode_bytes": nbytes,
+                        "profiles": profs,
+                    },
+                    indent=2,
+                )
+            )
     elif a.cmd == "features":
         model, tok = load_model(a.model, a.dtype)
-        res = {"machine": machine_info(),
-               "shared_prefix": shared_prefix_benchmark(model, tok, a.system_tokens, a.users),
-               "long_prompt": long_prompt_benchmark(model, tok, a.prompt_tokens, a.streams, a.budget)}
-        for k in ("on", "off"): res["shared_prefix"][k].pop("outputs")
+        res = {
+            "machine": machine_info(),
+            "shared_prefix": shared_prefix_benchmark(model, tok, a.system_tokens, a.users),
+            "long_prompt": long_prompt_benchmark(model, tok, a.prompt_tokens, a.streams, a.budget),
+        }
+        for k in ("on", "off"):
+            res["shared_prefix"][k].pop("outputs")
         print(json.dumps(res, indent=2))
-        if a.json: Path(a.json).write_text(json.dumps(res, indent=2))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=2))
     else:
         import httpx
-        model = a.model or httpx.get(a.base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}).json()["data"][0]["id"]
+
+        model = (
+            a.model
+            or httpx.get(
+                a.base_url.rstrip("/") + "/models",
+                headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {},
+            ).json()["data"][0]["id"]
+        )
         rng = random.Random(a.seed)
         prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(a.num_prompts)]
         max_tokens = [rng.randint(a.min_tokens, a.max_tokens) for _ in prompts]
-        res = serve_benchmark(a.base_url, model, prompts, max_tokens, a.request_rate, a.max_concurrency, a.seed, a.api_key)
+        res = serve_benchmark(
+            a.base_url, model, prompts, max_tokens, a.request_rate, a.max_concurrency, a.seed, a.api_key
+        )
         print_serving(res)
-        if a.json: Path(a.json).write_text(json.dumps(res, indent=2))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=2))
 
 # %% ../nbs/06_benchmarks.ipynb #48a86eac
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":
+    main()

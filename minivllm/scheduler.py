@@ -20,162 +20,254 @@ __all__ = ['SamplingError', 'SamplingParams', 'SequenceStatus', 'Sequence', 'Req
 # %% ../nbs/03_scheduler.ipynb #707c881e
 class SamplingError(ValueError):
     "A sampling parameter is out of range; `param` names it."
+
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
 
+
 @dataclass
 class SamplingParams:
     "How to pick tokens and when to stop (vLLM's names and defaults)."
-    n: int = 1                                 # completions per prompt
-    temperature: float = 1.0                   # 0: greedy
+
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
-    top_k: int = 0                             # 0 (or -1): off
+    top_k: int = 0  # 0 (or -1): off
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16                # None: until the context is full
+    max_tokens: int | None = 16  # None: until the context is full
     min_tokens: int = 0
-    stop: list[str] | str | None = None        # strings that end generation (not part of the output)
+    stop: list[str] | str | None = None  # strings that end generation (not part of the output)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None                # top logprobs per generated token (0: just the chosen one)
+    logprobs: int | None = None  # top logprobs per generated token (0: just the chosen one)
     seed: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1: self.top_k = 0
+        if self.top_k == -1:
+            self.top_k = 0
 
     @property
-    def greedy(self) -> bool: return self.temperature == 0.0
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
     def validate(self, max_n: int = 16, max_logprobs: int = 20) -> SamplingParams:
         "Raise SamplingError naming the first parameter out of range; returns self."
+
         def check(ok, param, msg):
-            if not ok: raise SamplingError(f"{param} {msg}", param)
+            if not ok:
+                raise SamplingError(f"{param} {msg}", param)
+
         num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
         intg = lambda x: isinstance(x, int) and not isinstance(x, bool)
-        check(intg(self.n) and 1 <= self.n <= max_n, "n", f"must be an integer from 1 to {max_n}, got {self.n!r}")
-        check(num(self.temperature) and 0 <= self.temperature <= 2, "temperature", f"must be in [0, 2], got {self.temperature!r}")
+        check(
+            intg(self.n) and 1 <= self.n <= max_n,
+            "n",
+            f"must be an integer from 1 to {max_n}, got {self.n!r}",
+        )
+        check(
+            num(self.temperature) and 0 <= self.temperature <= 2,
+            "temperature",
+            f"must be in [0, 2], got {self.temperature!r}",
+        )
         check(num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(intg(self.top_k) and self.top_k >= 0, "top_k", f"must be 0 (off) or a positive integer, got {self.top_k!r}")
+        check(
+            intg(self.top_k) and self.top_k >= 0,
+            "top_k",
+            f"must be 0 (off) or a positive integer, got {self.top_k!r}",
+        )
         check(num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        check(num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
-        check(num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
-        check(self.max_tokens is None or intg(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        check(intg(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
-        check(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop", "must be up to 16 non-empty strings")
-        check(all(intg(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
-        check(self.logprobs is None or intg(self.logprobs) and 0 <= self.logprobs <= max_logprobs, "logprobs", f"must be an integer from 0 to {max_logprobs}")
-        check(self.seed is None or intg(self.seed) and -2**63 <= self.seed < 2**64, "seed", "must be a 64-bit integer")
+        check(
+            num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty!r}",
+        )
+        check(
+            num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty!r}",
+        )
+        check(
+            num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            f"must be in (0, 2], got {self.repetition_penalty!r}",
+        )
+        check(
+            self.max_tokens is None or intg(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be a positive integer, got {self.max_tokens!r}",
+        )
+        check(
+            intg(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be a non-negative integer, got {self.min_tokens!r}",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must not exceed max_tokens",
+        )
+        check(
+            all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
+            "stop",
+            "must be up to 16 non-empty strings",
+        )
+        check(
+            all(intg(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        check(
+            self.logprobs is None or intg(self.logprobs) and 0 <= self.logprobs <= max_logprobs,
+            "logprobs",
+            f"must be an integer from 0 to {max_logprobs}",
+        )
+        check(
+            self.seed is None or intg(self.seed) and -(2**63) <= self.seed < 2**64,
+            "seed",
+            "must be a 64-bit integer",
+        )
         return self
 
 # %% ../nbs/03_scheduler.ipynb #4a5477c7
 class SequenceStatus(enum.Enum):
     "Where a sequence is in its life."
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
+
 _seq_counter = itertools.count()
+
 
 @dataclass(eq=False)
 class Sequence:
     "One stream of tokens (prompt + output) and its scheduling state."
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     block_table: BlockTable
-    index: int = 0                               # which of its request's n completions
+    index: int = 0  # which of its request's n completions
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     arrival_time: float = field(default_factory=time.monotonic)
-    token_ids: list[int] = field(default_factory=list)   # prompt + output
-    num_computed: int = 0                        # tokens whose K/V are in the cache
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None             # "stop", "length" or "abort"
-    stop_reason: int | str | None = None         # the stop string or token that ended it
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or token that ended it
     num_preemptions: int = 0
-    num_cached_tokens: int | None = None         # prompt tokens found in the prefix cache at first admission
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self):
-        if not self.token_ids: self.token_ids = list(self.prompt_token_ids)
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def num_tokens(self) -> int: return len(self.token_ids)
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int: return len(self.prompt_token_ids)
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]: return self.token_ids[len(self.prompt_token_ids):]
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
-    def num_output_tokens(self) -> int: return len(self.token_ids) - len(self.prompt_token_ids)
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def is_finished(self) -> bool: return self.status == SequenceStatus.FINISHED
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
 
     def __repr__(self):
-        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed}, blocks={self.block_table.blocks})")
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed}, blocks={self.block_table.blocks})"
+        )
 
 # %% ../nbs/03_scheduler.ipynb #47f219c7
 class RequestTooLong(ValueError):
     "A request that can never be scheduled (prompt longer than the context, the pool or the budget)."
 
+
 @dataclass
 class SchedulerConfig:
     "Limits of one step."
-    max_num_seqs: int = 64                   # sequences running at once
-    max_num_batched_tokens: int = 2048       # tokens in one forward
-    max_model_len: int = 4096                # prompt + output of one sequence
+
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # tokens in one forward
+    max_model_len: int = 4096  # prompt + output of one sequence
     enable_chunked_prefill: bool = True
+
 
 @dataclass
 class ScheduledBatch:
     "One step's work: (sequence, new tokens) pairs, prefills before decodes."
+
     items: list[tuple[Sequence, int]]
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int: return sum(n for _, n in self.items)
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
 
     @property
-    def is_prefill(self) -> bool: return any(n > 1 or s.num_computed == 0 for s, n in self.items)
+    def is_prefill(self) -> bool:
+        return any(n > 1 or s.num_computed == 0 for s, n in self.items)
+
 
 class Scheduler:
     "Waiting and running queues, scheduled under a token budget with preemption by recomputation."
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
-            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
-                             f">= max_model_len ({config.max_model_len}): a recomputed sequence must fit one step")
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+                f">= max_model_len ({config.max_model_len}): a recomputed sequence must fit one step"
+            )
         if config.max_model_len > block_manager.num_blocks * block_manager.block_size:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the pool ({block_manager.num_blocks} blocks x "
-                             f"{block_manager.block_size} tokens): a sequence could outgrow it and never run again")
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the pool ({block_manager.num_blocks} blocks x "
+                f"{block_manager.block_size} tokens): a sequence could outgrow it and never run again"
+            )
         self.config, self.bm = config, block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []      # in admission order: the last is preempted first
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
 
     def check(self, num_prompt_tokens: int) -> None:
         "Raise RequestTooLong if a prompt of this length could never be scheduled."
         c = self.config
-        if num_prompt_tokens < 1: raise RequestTooLong("the prompt is empty")
+        if num_prompt_tokens < 1:
+            raise RequestTooLong("the prompt is empty")
         if num_prompt_tokens >= c.max_model_len:
-            raise RequestTooLong(f"the prompt has {num_prompt_tokens} tokens; this model's context (max_model_len) is "
-                                 f"{c.max_model_len} tokens, prompt and output together")
+            raise RequestTooLong(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context (max_model_len) is "
+                f"{c.max_model_len} tokens, prompt and output together"
+            )
         if self.bm.blocks_for(num_prompt_tokens + 1) > self.bm.num_blocks:
-            raise RequestTooLong(f"the prompt needs {self.bm.blocks_for(num_prompt_tokens + 1)} KV blocks; the whole "
-                                 f"pool has {self.bm.num_blocks}")
+            raise RequestTooLong(
+                f"the prompt needs {self.bm.blocks_for(num_prompt_tokens + 1)} KV blocks; the whole "
+                f"pool has {self.bm.num_blocks}"
+            )
         if not c.enable_chunked_prefill and num_prompt_tokens > c.max_num_batched_tokens:
-            raise RequestTooLong(f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
-                                 f"{c.max_num_batched_tokens} (enable chunked prefill or raise the budget)")
+            raise RequestTooLong(
+                f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
+                f"{c.max_num_batched_tokens} (enable chunked prefill or raise the budget)"
+            )
 
     def add(self, seq: Sequence) -> None:
         "Queue a new sequence (checked first)."
@@ -183,13 +275,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     @property
-    def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         "The work of the next step (empty when there is none)."
-        if self.config.enable_chunked_prefill: return self._schedule_chunked()
+        if self.config.enable_chunked_prefill:
+            return self._schedule_chunked()
         batch = self._admit(self.config.max_num_batched_tokens, chunk=False)
-        batch.items.sort(key=lambda it: not (it[1] > 1 or it[0].num_computed == 0))  # a 1-token prefix-cache rest is a decode row
+        batch.items.sort(
+            key=lambda it: not (it[1] > 1 or it[0].num_computed == 0)
+        )  # a 1-token prefix-cache rest is a decode row
         return batch if batch.items else self._decode_all()
 
     # --- the pieces ---------------------------------------------------------------------------------------------
@@ -200,18 +296,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
             seq = self.waiting[0]
             looked_up = seq.num_computed == 0 and not seq.block_table.blocks
-            if looked_up: seq.num_computed = self.bm.allocate_prefix(seq.block_table, seq.token_ids)  # prefix cache
+            if looked_up:
+                seq.num_computed = self.bm.allocate_prefix(seq.block_table, seq.token_ids)  # prefix cache
             n = seq.num_tokens - seq.num_computed
-            if n > budget and chunk: n = budget
+            if n > budget and chunk:
+                n = budget
             if n > budget or not self.bm.can_append(seq.block_table, n, reserve=len(self.running)):
-                if looked_up: self.bm.free(seq.block_table); seq.num_computed = 0   # give the cached blocks back
+                if looked_up:
+                    self.bm.free(seq.block_table)
+                    seq.num_computed = 0  # give the cached blocks back
                 break
-            if seq.num_cached_tokens is None: seq.num_cached_tokens = seq.num_computed
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed
             self.waiting.popleft()
             self.bm.append(seq.block_table, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            items.append((seq, n)); budget -= n
+            items.append((seq, n))
+            budget -= n
         return ScheduledBatch(items)
 
     def _decode_all(self) -> ScheduledBatch:
@@ -220,8 +322,10 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if not self._reserve(seq, 1, preempted): continue   # seq itself was preempted
-            items.append((seq, 1)); i += 1
+            if not self._reserve(seq, 1, preempted):
+                continue  # seq itself was preempted
+            items.append((seq, 1))
+            i += 1
         return ScheduledBatch(items, preempted)
 
     def _schedule_chunked(self) -> ScheduledBatch:
@@ -231,9 +335,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, n, preempted): continue
-            items.append((seq, n)); budget -= n; i += 1
-        if not preempted: self._admit(budget, chunk=True, items=items)
+            if not self._reserve(seq, n, preempted):
+                continue
+            items.append((seq, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(budget, chunk=True, items=items)
         # prefill rows first, then decodes (the model's flat batch is laid out that way)
         items.sort(key=lambda it: not (it[1] > 1 or it[0].num_computed == 0))
         return ScheduledBatch(items, preempted)
@@ -242,8 +350,10 @@ class Scheduler:
         "Reserve n slots for a running sequence, preempting the most recently admitted ones as needed."
         while not self.bm.can_append(seq.block_table, n):
             victim = self.running[-1]
-            self.preempt(victim); preempted.append(victim)
-            if victim is seq: return False
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
         self.bm.append(seq.block_table, n)
         return True
 
@@ -259,9 +369,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         "Take a sequence out of the queues for good and free its blocks."
-        if seq.status == SequenceStatus.RUNNING: self.running.remove(seq)
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
-            try: self.waiting.remove(seq)
-            except ValueError: pass
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
         self.bm.free(seq.block_table)
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason

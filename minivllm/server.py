@@ -24,7 +24,14 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,56 +52,161 @@ __all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'BYTE_DECODER', 
 # %% ../nbs/05_server.ipynb #9500b964
 class APIError(Exception):
     "An OpenAI-style error: HTTP status, message, type, the offending parameter and a code."
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def response(self) -> JSONResponse:
         "The JSON response a client gets."
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}},
+            status_code=self.status,
+        )
 
 # %% ../nbs/05_server.ipynb #d80894ff
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+
 
 class EngineMetrics:
     "vLLM's serving metrics as `minivllm:*`, in a registry of their own."
+
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        gauge = lambda name, doc: Gauge(f"minivllm:{name}", doc, ["model_name"], registry=r).labels(model_name)
-        counter = lambda name, doc: Counter(f"minivllm:{name}", doc, ["model_name"], registry=r).labels(model_name)
-        hist = lambda name, doc, b: Histogram(f"minivllm:{name}", doc, ["model_name"], buckets=b, registry=r).labels(model_name)
+        gauge = lambda name, doc: Gauge(f"minivllm:{name}", doc, ["model_name"], registry=r).labels(
+            model_name
+        )
+        counter = lambda name, doc: Counter(f"minivllm:{name}", doc, ["model_name"], registry=r).labels(
+            model_name
+        )
+        hist = lambda name, doc, b: Histogram(
+            f"minivllm:{name}", doc, ["model_name"], buckets=b, registry=r
+        ).labels(model_name)
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = all).")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = all)."
+        )
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed) so far.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.time_to_first_token = hist("time_to_first_token_seconds", "Request queued -> first token.", TTFT_BUCKETS)
-        self.inter_token_latency = hist("inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
-        self.e2e_request_latency = hist("e2e_request_latency_seconds", "Request queued -> finished.", E2E_BUCKETS)
-        self.request_success = Counter("minivllm:request_success", "Requests finished, by reason.",
-                                       ["model_name", "finished_reason"], registry=r)
+        self.time_to_first_token = hist(
+            "time_to_first_token_seconds", "Request queued -> first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = hist(
+            "inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = hist(
+            "e2e_request_latency_seconds", "Request queued -> finished.", E2E_BUCKETS
+        )
+        self.request_success = Counter(
+            "minivllm:request_success",
+            "Requests finished, by reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self.model_name = model_name
-        self._counters = (self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
-                          self.prefix_cache_hits)
-        self._seen = (0,) * len(self._counters)    # the engine's totals already counted
+        self._counters = (
+            self.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+        )
+        self._seen = (0,) * len(self._counters)  # the engine's totals already counted
 
     def update(self, s: EngineStats) -> None:
         "Gauges from the engine's stats; counters by what changed since the last call."
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
-        now = (s.num_preemptions, s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits)
+        now = (
+            s.num_preemptions,
+            s.prompt_tokens,
+            s.generation_tokens,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+        )
         for c, new, old in zip(self._counters, now, self._seen):
-            if new > old: c.inc(new - old)
+            if new > old:
+                c.inc(new - old)
         self._seen = now
 
     def text(self) -> str:
@@ -106,45 +218,56 @@ def available_cores() -> int:
     "CPU cores this process may run on."
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
+
 @dataclass(eq=False)
 class _Stream:
     "Where one HTTP request's outputs go (engine thread side)."
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    submitted: float                                    # time.monotonic() when the handler queued it
+    submitted: float  # time.monotonic() when the handler queued it
     last_token_time: dict[str, float] = field(default_factory=dict)
+
 
 class Submission:
     "One HTTP request's engine requests, seen from the event loop: iterate for (prompt index, output)."
+
     def __init__(self, engine: AsyncEngine, request_ids: list[str], q: asyncio.Queue):
         self.engine, self.queue = engine, q
-        self.live: dict[str, int] = {rid: i for i, rid in enumerate(request_ids)}   # unfinished -> prompt index
+        self.live: dict[str, int] = {
+            rid: i for i, rid in enumerate(request_ids)
+        }  # unfinished -> prompt index
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self.live:
             out = await self.queue.get()
-            if isinstance(out, BaseException): raise out
+            if isinstance(out, BaseException):
+                raise out
             i = self.live[out.request_id]
-            if out.finished: del self.live[out.request_id]
+            if out.finished:
+                del self.live[out.request_id]
             yield i, out
 
     def abort(self) -> None:
         "Abort what has not finished."
-        for rid in self.live: self.engine.inbox.put(("abort", rid))
+        for rid in self.live:
+            self.engine.inbox.put(("abort", rid))
         self.live.clear()
+
 
 class AsyncEngine:
     "An LLMEngine owned by one thread, fed through a thread-safe inbox; outputs come back on asyncio queues."
+
     def __init__(self, engine: LLMEngine, model_name: str = "minivllm", num_threads: int | None = None):
         self.engine = engine
-        self.tokenizer: Tokenizer = engine.tokenizer              # read-only from here on: safe from any thread
+        self.tokenizer: Tokenizer = engine.tokenizer  # read-only from here on: safe from any thread
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model.config.vocab_size
         self.metrics = EngineMetrics(model_name)
         self.num_threads = num_threads or available_cores()
-        self.torch_threads: int | None = None                     # torch.get_num_threads() inside the engine thread
+        self.torch_threads: int | None = None  # torch.get_num_threads() inside the engine thread
         self.inbox: queue.Queue[tuple] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}                    # engine thread only
+        self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
 
     def check_prompt(self, num_tokens: int) -> None:
@@ -162,21 +285,26 @@ class AsyncEngine:
     def stop(self, timeout: float = 30.0) -> None:
         "Stop the engine thread after its current step."
         if self.is_alive:
-            self.inbox.put(("stop",)); self._thread.join(timeout)
+            self.inbox.put(("stop",))
+            self._thread.join(timeout)
 
     @property
-    def is_alive(self) -> bool: return self._thread is not None and self._thread.is_alive()
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
         "Queue one engine request per prompt; returns once the engine accepted them all (or raises its error)."
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         rids = [uuid.uuid4().hex for _ in prompts]
         self.inbox.put(("add", list(zip(rids, prompts)), params, _Stream(loop, q, time.monotonic())))
-        try: answer = await q.get()
+        try:
+            answer = await q.get()
         except asyncio.CancelledError:
-            for rid in rids: self.inbox.put(("abort", rid))
+            for rid in rids:
+                self.inbox.put(("abort", rid))
             raise
-        if isinstance(answer, BaseException): raise answer
+        if isinstance(answer, BaseException):
+            raise answer
         return Submission(self, rids, q)
 
     # --- the engine thread -----------------------------------------------------------------------------------
@@ -185,89 +313,117 @@ class AsyncEngine:
         self.torch_threads = torch.get_num_threads()
         eng = self.engine
         while True:
-            cmds = [] if eng.has_unfinished_requests() else [self.inbox.get()]   # idle: sleep until there is work
+            cmds = (
+                [] if eng.has_unfinished_requests() else [self.inbox.get()]
+            )  # idle: sleep until there is work
             while True:
-                try: cmds.append(self.inbox.get_nowait())
-                except queue.Empty: break
+                try:
+                    cmds.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
             for cmd in cmds:
-                if cmd[0] == "stop": return self._fail_all(RuntimeError("the server is shutting down"))
+                if cmd[0] == "stop":
+                    return self._fail_all(RuntimeError("the server is shutting down"))
                 self._handle(cmd)
             if eng.has_unfinished_requests():
-                try: self._deliver(eng.step())
-                except Exception as e:                  # a bug, not bad input: fail these requests, keep serving
+                try:
+                    self._deliver(eng.step())
+                except Exception as e:  # a bug, not bad input: fail these requests, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)
             self.metrics.update(eng.stats())
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
-            self._streams.pop(cmd[1], None); self.engine.abort(cmd[1])
+            self._streams.pop(cmd[1], None)
+            self.engine.abort(cmd[1])
             return
         _, reqs, params, stream = cmd
         added = []
         try:
-            for rid, prompt in reqs: self.engine.add_request(prompt, params, rid); added.append(rid)
+            for rid, prompt in reqs:
+                self.engine.add_request(prompt, params, rid)
+                added.append(rid)
         except Exception as e:
-            for rid in added: self.engine.abort(rid)
+            for rid in added:
+                self.engine.abort(rid)
             return self._send(stream, e)
-        for rid in added: self._streams[rid] = stream
+        for rid in added:
+            self._streams[rid] = stream
         self._send(stream, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             st = self._streams.get(out.request_id)
-            if st is None: continue
+            if st is None:
+                continue
             self._observe(st, out)
-            if out.finished: del self._streams[out.request_id]
-            if not self._send(st, out): self.engine.abort(out.request_id)
+            if out.finished:
+                del self._streams[out.request_id]
+            if not self._send(st, out):
+                self.engine.abort(out.request_id)
 
     def _observe(self, st: _Stream, out: RequestOutput) -> None:
         "Histograms: first token (from submission), time between tokens, end to end."
         m, mt, prev = out.metrics, self.metrics, st.last_token_time.get(out.request_id)
         if m.last_token_time is not None and m.last_token_time != prev:
-            if prev is None: mt.time_to_first_token.observe(m.first_token_time - st.submitted)
-            else: mt.inter_token_latency.observe(m.last_token_time - prev)
+            if prev is None:
+                mt.time_to_first_token.observe(m.first_token_time - st.submitted)
+            else:
+                mt.inter_token_latency.observe(m.last_token_time - prev)
             st.last_token_time[out.request_id] = m.last_token_time
         if out.finished:
             mt.e2e_request_latency.observe((m.finished_time or time.monotonic()) - st.submitted)
-            for c in out.outputs: mt.request_success.labels(mt.model_name, c.finish_reason).inc()
+            for c in out.outputs:
+                mt.request_success.labels(mt.model_name, c.finish_reason).inc()
 
     def _send(self, st: _Stream, item: Any) -> bool:
-        try: st.loop.call_soon_threadsafe(st.queue.put_nowait, item); return True
-        except RuntimeError: return False           # that event loop is closed: nobody is listening
+        try:
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, item)
+            return True
+        except RuntimeError:
+            return False  # that event loop is closed: nobody is listening
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, st in list(self._streams.items()):
-            self.engine.abort(rid); self._send(st, error)
+            self.engine.abort(rid)
+            self._send(st, error)
         self._streams.clear()
 
 # %% ../nbs/05_server.ipynb #e9e1810c
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
+
 class ContentPart(_Strict):
     "A part of a message's content: only text is understood."
+
     type: Literal["text"]
     text: str
 
+
 class ChatMessage(_Strict):
     "One message; extra keys (name, tool_calls, tool_call_id) go to the chat template as they are."
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+
 class SamplingRequest(_Strict):
     "The fields both completion endpoints share."
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-2**63, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -283,8 +439,10 @@ class SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
+
 class ChatCompletionRequest(SamplingRequest):
     "POST /v1/chat/completions"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -293,133 +451,212 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict | None = None
     add_generation_prompt: bool = True
 
+
 class CompletionRequest(SamplingRequest):
     "POST /v1/completions"
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
 
+
 class TokenizeRequest(_Strict):
     "POST /tokenize: a prompt, or messages to render with the chat template."
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
 
+
 class DetokenizeRequest(_Strict):
     "POST /detokenize"
+
     model: str | None = None
     tokens: list[int]
+
 
 def error_param(loc: tuple) -> str | None:
     "pydantic's error location as a parameter name: ('messages', 0, 'role') -> 'messages[0].role'."
     out = ""
     for part in loc:
-        if isinstance(part, int): out += f"[{part}]"
+        if isinstance(part, int):
+            out += f"[{part}]"
         elif part.isidentifier() and part not in ("str", "int", "float", "bool", "dict", "list"):
             out += ("." if out else "") + part
-        else: break                       # a union member's name, like 'list[int]': the field is what came before
+        else:
+            break  # a union member's name, like 'list[int]': the field is what came before
     return out or None
+
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     "The request body validated as `model`, or an APIError (400) naming the first bad field."
-    try: return model.model_validate_json(await request.body())
+    try:
+        return model.model_validate_json(await request.body())
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid": raise APIError(400, f"Malformed JSON body: {err['ctx']['error']}") from None
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"Malformed JSON body: {err['ctx']['error']}") from None
         param = error_param(err["loc"])
         msgs = dict.fromkeys(x["msg"] for x in e.errors(include_url=False) if error_param(x["loc"]) == param)
         raise APIError(400, f"{param or 'body'}: {' or '.join(msgs)}", param=param) from None
 
 # %% ../nbs/05_server.ipynb #7f4264c2
-def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> str:
+def chat_prompt(
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+) -> str:
     "The prompt text for a conversation, from the model's chat template (400 if the template rejects it)."
     msgs = []
     for m in messages:
         d = m.model_dump()
-        if isinstance(m.content, list): d["content"] = "\n".join(p.text for p in m.content)
-        if m.content is None and not d.get("tool_calls"): d["content"] = ""
+        if isinstance(m.content, list):
+            d["content"] = "\n".join(p.text for p in m.content)
+        if m.content is None and not d.get("tool_calls"):
+            d["content"] = ""
         msgs.append(d)
-    try: return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
-    except ChatTemplateError as e: raise APIError(400, str(e), param="messages") from None
+    try:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     "400 unless every id is in the vocabulary."
     bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad: raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
+    if bad:
+        raise APIError(
+            400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param
+        )
 
-def sampling_params(req: SamplingRequest, prompt_lens: list[int], engine: AsyncEngine, max_tokens: int | None,
-                    logprobs: int | None, prompt_param: str, default_max_tokens: int | None = None) -> SamplingParams:
+
+def sampling_params(
+    req: SamplingRequest,
+    prompt_lens: list[int],
+    engine: AsyncEngine,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+    default_max_tokens: int | None = None,
+) -> SamplingParams:
     "SamplingParams for an OpenAI request, checked against the engine's limits (APIError 400 on the first problem)."
-    if req.logit_bias: raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     check_token_ids(req.stop_token_ids or [], engine.vocab_size, "stop_token_ids")
     M, longest = engine.max_model_len, max(prompt_lens)
     for n in prompt_lens:
         if n >= M:
-            raise APIError(400, f"This model's maximum context length is {M} tokens. However, your prompt has {n} "
-                           f"tokens: please reduce its length.", param=prompt_param, code="context_length_exceeded")
-        try: engine.check_prompt(n)
-        except RequestTooLong as e: raise APIError(400, str(e), param=prompt_param) from None
+            raise APIError(
+                400,
+                f"This model's maximum context length is {M} tokens. However, your prompt has {n} "
+                f"tokens: please reduce its length.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        try:
+            engine.check_prompt(n)
+        except RequestTooLong as e:
+            raise APIError(400, str(e), param=prompt_param) from None
     if max_tokens is None:
         max_tokens = M - longest if default_max_tokens is None else min(default_max_tokens, M - longest)
     p = SamplingParams(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs, seed=req.seed,
-        skip_special_tokens=req.skip_special_tokens)
-    try: p.validate()
-    except SamplingError as e: raise APIError(400, str(e), param=e.param) from None
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        seed=req.seed,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    try:
+        p.validate()
+    except SamplingError as e:
+        raise APIError(400, str(e), param=e.param) from None
     if longest + max_tokens > M:
-        raise APIError(400, f"This model's maximum context length is {M} tokens. However, you requested "
-                       f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion): "
-                       f"please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {M} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion): "
+            f"please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return p
 
 # %% ../nbs/05_server.ipynb #36510a43
 def _byte_decoder() -> dict[str, int]:
     "GPT-2's byte-level alphabet, character -> byte."
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0                     # printable bytes stand for themselves, the others for chr(256 + n)
+    cs, n = bs[:], 0  # printable bytes stand for themselves, the others for chr(256 + n)
     for b in range(256):
-        if b not in bs: bs.append(b); cs.append(256 + n); n += 1
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
     return {chr(c): b for b, c in zip(bs, cs)}
 
+
 BYTE_DECODER = _byte_decoder()
+
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     "The raw bytes of one token."
     s = tokenizer.tok.id_to_token(token_id) or ""
-    if s and all(ch in BYTE_DECODER for ch in s): return bytes(BYTE_DECODER[ch] for ch in s)
+    if s and all(ch in BYTE_DECODER for ch in s):
+        return bytes(BYTE_DECODER[ch] for ch in s)
     return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
 
 def _lp_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
     b = token_bytes(tokenizer, token_id)
     return {"token": b.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0), "bytes": list(b)}
 
+
 def _top(lp: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, l) for t, l in lp.items() if l.rank <= k), key=lambda x: x[1].rank)
 
+
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
     "Chat's `logprobs`: one entry per token with its top-k alternatives."
-    return {"content": [{**_lp_entry(tokenizer, t, lp[t].logprob),
-                         "top_logprobs": [_lp_entry(tokenizer, j, l.logprob) for j, l in _top(lp, k)]}
-                        for t, lp in zip(token_ids, lps)]}
+    return {
+        "content": [
+            {
+                **_lp_entry(tokenizer, t, lp[t].logprob),
+                "top_logprobs": [_lp_entry(tokenizer, j, l.logprob) for j, l in _top(lp, k)],
+            }
+            for t, lp in zip(token_ids, lps)
+        ]
+    }
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], lps: list[dict[int, Logprob]], k: int,
-                        offset: int = 0) -> dict:
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int = 0
+) -> dict:
     "The completions API's `logprobs`: tokens, their logprobs, top-k dicts and character offsets."
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp in zip(token_ids, lps):
         e = _lp_entry(tokenizer, t, lp[t].logprob)
-        out["tokens"].append(e["token"]); out["token_logprobs"].append(e["logprob"]); out["text_offset"].append(offset)
-        out["top_logprobs"].append({_lp_entry(tokenizer, j, 0)["token"]: max(l.logprob, -9999.0) for j, l in _top(lp, k)})
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["text_offset"].append(offset)
+        out["top_logprobs"].append(
+            {_lp_entry(tokenizer, j, 0)["token"]: max(l.logprob, -9999.0) for j, l in _top(lp, k)}
+        )
         offset += len(e["token"])
     return out
 
@@ -428,30 +665,40 @@ def sse(obj: dict | str) -> str:
     "One server-sent event."
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
+
 def usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int = 0) -> dict:
     "OpenAI's `usage`, with the prompt tokens found in the prefix cache."
     p = sum(prompt_lens)
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": completion_tokens,
+        "total_tokens": p + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
 
 @dataclass
 class Reply:
     "What a response needs to know about its request."
+
     kind: Literal["chat", "completion"]
     id: str
     model: str
     prompt_lens: list[int]
     n: int
     tokenizer: Tokenizer
-    logprobs: int | None = None                 # top-k asked for, None if none
+    logprobs: int | None = None  # top-k asked for, None if none
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def index(self, prompt: int, c) -> int: return prompt * self.n + c.index
+    def index(self, prompt: int, c) -> int:
+        return prompt * self.n + c.index
 
     def logprobs_of(self, token_ids, lps, offset: int = 0):
-        if self.logprobs is None or lps is None: return None
-        if self.kind == "chat": return chat_logprobs(self.tokenizer, token_ids, lps, self.logprobs)
+        if self.logprobs is None or lps is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.tokenizer, token_ids, lps, self.logprobs)
         return completion_logprobs(self.tokenizer, token_ids, lps, self.logprobs, offset)
 
     def response(self, finals: list[RequestOutput]) -> dict:
@@ -459,124 +706,203 @@ class Reply:
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
-                ch = {"index": self.index(i, c), "logprobs": self.logprobs_of(c.token_ids, c.logprobs),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if self.kind == "chat": ch["message"] = {"role": "assistant", "content": c.text}
-                else: ch["text"] = c.text
+                ch = {
+                    "index": self.index(i, c),
+                    "logprobs": self.logprobs_of(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if self.kind == "chat":
+                    ch["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    ch["text"] = c.text
                 choices.append(ch)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": sorted(choices, key=lambda c: c["index"]),
-                "usage": usage(self.prompt_lens, sum(len(c.token_ids) for o in finals for c in o.outputs),
-                               sum(o.num_cached_tokens for o in finals))}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": sorted(choices, key=lambda c: c["index"]),
+            "usage": usage(
+                self.prompt_lens,
+                sum(len(c.token_ids) for o in finals for c in o.outputs),
+                sum(o.num_cached_tokens for o in finals),
+            ),
+        }
 
     def chunk(self, choices: list[dict]) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         d = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        if self.include_usage: d["usage"] = None
+        if self.include_usage:
+            d["usage"] = None
         return sse(d)
 
     async def stream(self, sub: Submission) -> AsyncIterator[str]:
         "The response as server-sent events; leaving early (client gone) aborts what is unfinished."
-        tokens: dict[tuple[int, int], int] = {}           # (prompt, choice) -> tokens so far
-        chars: dict[tuple[int, int], int] = {}            # (prompt, choice) -> characters sent so far
-        cached: dict[int, int] = {}                       # prompt -> its tokens found in the prefix cache
+        tokens: dict[tuple[int, int], int] = {}  # (prompt, choice) -> tokens so far
+        chars: dict[tuple[int, int], int] = {}  # (prompt, choice) -> characters sent so far
+        cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
         try:
             if self.kind == "chat":
-                yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None} for i in range(len(self.prompt_lens) * self.n)])
+                yield self.chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(len(self.prompt_lens) * self.n)
+                    ]
+                )
             async for i, out in sub:
                 cached[i] = out.num_cached_tokens
                 choices = []
                 for c in out.outputs:
                     tokens[i, c.index] = len(c.token_ids)
-                    if not (c.delta_text or c.finished or (self.logprobs is not None and c.delta_token_ids)): continue
+                    if not (c.delta_text or c.finished or (self.logprobs is not None and c.delta_token_ids)):
+                        continue
                     sent = chars.get((i, c.index), 0)
                     chars[i, c.index] = sent + len(c.delta_text)
-                    ch = {"index": self.index(i, c), "finish_reason": c.finish_reason,
-                          "logprobs": self.logprobs_of(c.delta_token_ids, c.delta_logprobs, sent)}
-                    if self.kind == "chat": ch["delta"] = {"content": c.delta_text} if c.delta_text else {}
-                    else: ch["text"] = c.delta_text
-                    if c.finished: ch["stop_reason"] = c.stop_reason
+                    ch = {
+                        "index": self.index(i, c),
+                        "finish_reason": c.finish_reason,
+                        "logprobs": self.logprobs_of(c.delta_token_ids, c.delta_logprobs, sent),
+                    }
+                    if self.kind == "chat":
+                        ch["delta"] = {"content": c.delta_text} if c.delta_text else {}
+                    else:
+                        ch["text"] = c.delta_text
+                    if c.finished:
+                        ch["stop_reason"] = c.stop_reason
                     choices.append(ch)
-                if choices: yield self.chunk(choices)
+                if choices:
+                    yield self.chunk(choices)
             if self.include_usage:
-                yield sse({"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                           "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage(self.prompt_lens, sum(tokens.values()), sum(cached.values()))})
+                yield sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": usage(self.prompt_lens, sum(tokens.values()), sum(cached.values())),
+                    }
+                )
         except Exception as e:
             log.exception("stream %s failed", self.id)
-            yield sse({"error": {"message": f"internal error: {e}", "type": "server_error", "param": None, "code": None}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"internal error: {e}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
         finally:
             sub.abort()
         yield sse("[DONE]")
 
+
 class SSEResponse(StreamingResponse):
     "Server-sent events; however the response ends (done, client gone), the stream is closed, which aborts the rest."
+
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send):
-        try: await super().__call__(scope, receive, send)
-        finally: await self.body_iterator.aclose()
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 # %% ../nbs/05_server.ipynb #820cab53
 class ClientGone(Exception):
     "The client disconnected before its response was ready."
 
+
 async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect": pass
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
 
 async def collect(sub: Submission, request: Request) -> list[RequestOutput]:
     "The final output of every prompt, in order; ClientGone (and everything aborted) if the client hangs up first."
+
     async def finals():
         done = {}
         async for i, out in sub:
-            if out.finished: done[i] = out
+            if out.finished:
+                done[i] = out
         return [done[i] for i in sorted(done)]
+
     work, gone = asyncio.ensure_future(finals()), asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done(): return work.result()
+        if work.done():
+            return work.result()
         raise ClientGone()
     finally:
-        work.cancel(); gone.cancel(); sub.abort()
+        work.cancel()
+        gone.cancel()
+        sub.abort()
 
 # %% ../nbs/05_server.ipynb #79bbe514
 class RequestGuard:
     "ASGI middleware: bearer-token check on /v1 and a cap on the request body, before any handler runs."
+
     def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 8 << 20):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http": return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         if self.api_key and scope["path"].startswith("/v1"):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(auth, f"Bearer {self.api_key}".encode()):
-                err = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                               type="authentication_error", code="invalid_api_key")
+                err = APIError(
+                    401,
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
                 return await err.response()(scope, receive, send)
         body, size, more = [], 0, True
         while more:
             msg = await receive()
-            if msg["type"] == "http.disconnect": return
+            if msg["type"] == "http.disconnect":
+                return
             size += len(msg.get("body", b""))
-            if size <= self.max_body_bytes: body.append(msg.get("body", b""))
+            if size <= self.max_body_bytes:
+                body.append(msg.get("body", b""))
             more = msg.get("more_body", False)
         if size > self.max_body_bytes:
-            err = APIError(413, f"The request body has {size:,} bytes; the limit is {self.max_body_bytes:,}.",
-                           code="request_too_large")
+            err = APIError(
+                413,
+                f"The request body has {size:,} bytes; the limit is {self.max_body_bytes:,}.",
+                code="request_too_large",
+            )
             return await err.response()(scope, receive, send)
         replayed = False
+
         async def replay():
             nonlocal replayed
-            if replayed: return await receive()            # after the body: wait for the client to disconnect
+            if replayed:
+                return await receive()  # after the body: wait for the client to disconnect
             replayed = True
             return {"type": "http.request", "body": b"".join(body), "more_body": False}
+
         await self.app(scope, replay, send)
 
 # %% ../nbs/05_server.ipynb #2a6cf82a
-def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str | list[str] = "minivllm",
-              api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+def build_app(
+    engine: LLMEngine | AsyncEngine,
+    served_model_name: str | list[str] = "minivllm",
+    api_key: str | None = None,
+    max_body_bytes: int = 8 << 20,
+) -> FastAPI:
     "A FastAPI app serving `engine` under OpenAI's API; the engine thread runs while the app does."
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     aeng = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, names[0])
@@ -585,19 +911,26 @@ def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str | list[str
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         aeng.start()
-        try: yield
-        finally: aeng.stop()
+        try:
+            yield
+        finally:
+            aeng.stop()
 
     app = FastAPI(title="mini-vLLM", summary="An OpenAI-compatible server", lifespan=lifespan)
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.engine = aeng
 
     @app.exception_handler(APIError)
-    async def api_error(request, e: APIError): return e.response()
+    async def api_error(request, e: APIError):
+        return e.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error").response()
+        return APIError(
+            e.status_code,
+            str(e.detail),
+            type="invalid_request_error" if e.status_code < 500 else "server_error",
+        ).response()
 
     @app.exception_handler(Exception)
     async def server_error(request, e: Exception):
@@ -605,18 +938,32 @@ def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str | list[str
         return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
 
     def model_name(model: str | None) -> str:
-        if model is None: return names[0]
+        if model is None:
+            return names[0]
         if model not in names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {names}.", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves {names}.",
+                param="model",
+                code="model_not_found",
+            )
         return model
 
-    async def run(req: SamplingRequest, request: Request, reply: Reply, prompts: list[list[int]], params: SamplingParams):
-        try: sub = await aeng.submit(prompts, params)
-        except ValueError as e: raise APIError(400, str(e), param=getattr(e, "param", None)) from None  # SamplingError, RequestTooLong
-        if req.stream: return SSEResponse(reply.stream(sub))
-        try: return JSONResponse(reply.response(await collect(sub, request)))
-        except ClientGone: return Response(status_code=499)
+    async def run(
+        req: SamplingRequest, request: Request, reply: Reply, prompts: list[list[int]], params: SamplingParams
+    ):
+        try:
+            sub = await aeng.submit(prompts, params)
+        except ValueError as e:
+            raise APIError(
+                400, str(e), param=getattr(e, "param", None)
+            ) from None  # SamplingError, RequestTooLong
+        if req.stream:
+            return SSEResponse(reply.stream(sub))
+        try:
+            return JSONResponse(reply.response(await collect(sub, request)))
+        except ClientGone:
+            return Response(status_code=499)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -625,39 +972,75 @@ def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str | list[str
         ids = tok.encode(chat_prompt(tok, req.messages, req.add_generation_prompt, req.tools))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = None
-        if req.logprobs: top = req.top_logprobs or 0
-        elif req.top_logprobs is not None: raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.logprobs:
+            top = req.top_logprobs or 0
+        elif req.top_logprobs is not None:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if top is not None and not 0 <= top <= 20:
-            raise APIError(400, f"top_logprobs must be an integer from 0 to 20, got {top}", param="top_logprobs")
+            raise APIError(
+                400, f"top_logprobs must be an integer from 0 to 20, got {top}", param="top_logprobs"
+            )
         params = sampling_params(req, [len(ids)], aeng, max_tokens, top, "messages")
-        reply = Reply("chat", f"chatcmpl-{uuid.uuid4().hex}", name, [len(ids)], req.n, tok, top,
-                      bool(req.stream_options and req.stream_options.include_usage))
+        reply = Reply(
+            "chat",
+            f"chatcmpl-{uuid.uuid4().hex}",
+            name,
+            [len(ids)],
+            req.n,
+            tok,
+            top,
+            bool(req.stream_options and req.stream_options.include_usage),
+        )
         return await run(req, request, reply, [ids], params)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req: CompletionRequest = await parse_body(request, CompletionRequest)
         name = model_name(req.model)
-        if req.echo: raise APIError(400, "echo is not supported", param="echo")
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
         p = req.prompt
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        if not prompts: raise APIError(400, "prompt must not be empty", param="prompt")
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
         ids = [tok.encode(x) if isinstance(x, str) else list(x) for x in prompts]
-        for x in ids: check_token_ids(x, aeng.vocab_size, "prompt")
-        params = sampling_params(req, [len(x) for x in ids], aeng, req.max_tokens, req.logprobs, "prompt",
-                                 default_max_tokens=16)
-        reply = Reply("completion", f"cmpl-{uuid.uuid4().hex}", name, [len(x) for x in ids], req.n, tok,
-                      req.logprobs, bool(req.stream_options and req.stream_options.include_usage))
+        for x in ids:
+            check_token_ids(x, aeng.vocab_size, "prompt")
+        params = sampling_params(
+            req, [len(x) for x in ids], aeng, req.max_tokens, req.logprobs, "prompt", default_max_tokens=16
+        )
+        reply = Reply(
+            "completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            name,
+            [len(x) for x in ids],
+            req.n,
+            tok,
+            req.logprobs,
+            bool(req.stream_options and req.stream_options.include_usage),
+        )
         return await run(req, request, reply, ids, params)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "minivllm",
-                                            "max_model_len": aeng.max_model_len} for n in names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "minivllm",
+                    "max_model_len": aeng.max_model_len,
+                }
+                for n in names
+            ],
+        }
 
     @app.get("/health")
     async def health():
-        if not aeng.is_alive: raise APIError(503, "the engine thread is not running", type="server_error")
+        if not aeng.is_alive:
+            raise APIError(503, "the engine thread is not running", type="server_error")
         return Response(status_code=200)
 
     @app.post("/tokenize")
@@ -666,7 +1049,11 @@ def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str | list[str
         model_name(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either 'prompt' or 'messages'", param="prompt")
-        text = req.prompt if req.prompt is not None else chat_prompt(tok, req.messages, req.add_generation_prompt, req.tools)
+        text = (
+            req.prompt
+            if req.prompt is not None
+            else chat_prompt(tok, req.messages, req.add_generation_prompt, req.tools)
+        )
         ids = tok.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": aeng.max_model_len}
 
@@ -678,15 +1065,18 @@ def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str | list[str
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
-    async def metrics(): return Response(aeng.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics():
+        return Response(aeng.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 # %% ../nbs/05_server.ipynb #3f80dc38
 class BackgroundServer:
     "A uvicorn server on 127.0.0.1 in a background thread: `with BackgroundServer(app) as s: httpx.get(s.url + ...)`."
+
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import socket
+
         self.app, self.sock = app, socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -700,7 +1090,8 @@ class BackgroundServer:
         self.thread.start()
         t0 = time.monotonic()
         while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() - t0 > timeout: raise RuntimeError("the server did not start")
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
             time.sleep(0.01)
         return self
 
@@ -710,69 +1101,171 @@ class BackgroundServer:
         self.thread.join(30)
         self.sock.close()
 
-    def __enter__(self) -> BackgroundServer: return self.start()
-    def __exit__(self, *exc) -> None: self.stop()
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 # %% ../nbs/05_server.ipynb #26e895b6
 def parse_bytes(s: str) -> int:
     "'2GiB', '512M', '1e9', '1073741824' -> bytes."
-    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+    units = {
+        "k": 1e3,
+        "m": 1e6,
+        "g": 1e9,
+        "t": 1e12,
+        "ki": 1 << 10,
+        "mi": 1 << 20,
+        "gi": 1 << 30,
+        "ti": 1 << 40,
+    }
     t = s.strip().lower().removesuffix("b")
     for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u): return int(float(t[:-len(u)]) * units[u])
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * units[u])
     return int(float(t))
+
 
 def arg_parser() -> argparse.ArgumentParser:
     "The flags of `python -m minivllm.server`."
-    ap = argparse.ArgumentParser(prog="python -m minivllm.server",
-                                 description="Serve a Qwen2 model to OpenAI clients: chat and completions, streamed or "
-                                             "not, with Prometheus metrics at /metrics.")
+    ap = argparse.ArgumentParser(
+        prog="python -m minivllm.server",
+        description="Serve a Qwen2 model to OpenAI clients: chat and completions, streamed or "
+        "not, with Prometheus metrics at /metrics.",
+    )
     a = ap.add_argument
-    a("--model", default=None, help="a local model folder, a .gguf file or a Hugging Face repo id (default: the bundled "
-      "Qwen2.5-Coder-0.5B-Instruct)")
-    a("--served-model-name", nargs="+", default=None, metavar="NAME", help="the name(s) clients send as `model` "
-      "(default: 'minivllm' for the bundled model, else --model as given)")
-    a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)")
+    a(
+        "--model",
+        default=None,
+        help="a local model folder, a .gguf file or a Hugging Face repo id (default: the bundled "
+        "Qwen2.5-Coder-0.5B-Instruct)",
+    )
+    a(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the name(s) clients send as `model` "
+        "(default: 'minivllm' for the bundled model, else --model as given)",
+    )
+    a(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)",
+    )
     a("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request (default: "
-      "$MINIVLLM_API_KEY if set, else no key)")
-    a("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    a(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 request (default: "
+        "$MINIVLLM_API_KEY if set, else no key)",
+    )
+    a(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     a("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     a("--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)")
-    a("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="BYTES", help="KV cache size, e.g. 4GiB or "
-      "500M (default on CPU: 2 GiB or a quarter of the free memory, whichever is smaller)")
-    a("--num-gpu-blocks-override", type=int, default=None, metavar="BLOCKS", help="KV cache size as a number of "
-      "blocks, on any device; wins over the byte sizes")
-    a("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA without a KV cache size: the fraction of GPU "
-      "memory that model and KV cache may fill (default: %(default)s)")
-    a("--max-model-len", type=int, default=None, help="tokens per sequence, prompt and output together (default: the "
-      "model's context, capped by the KV cache)")
+    a(
+        "--kv-cache-memory-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="KV cache size, e.g. 4GiB or "
+        "500M (default on CPU: 2 GiB or a quarter of the free memory, whichever is smaller)",
+    )
+    a(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="KV cache size as a number of blocks, on any device; wins over the byte sizes",
+    )
+    a(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA without a KV cache size: the fraction of GPU "
+        "memory that model and KV cache may fill (default: %(default)s)",
+    )
+    a(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt and output together (default: the "
+        "model's context, capped by the KV cache)",
+    )
     a("--max-num-seqs", type=int, default=64, help="sequences in one batch (default: %(default)s)")
-    a("--max-num-batched-tokens", type=int, default=2048, help="tokens in one forward pass, the step's budget "
-      "(default: %(default)s)")
-    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts "
-      "across steps (default: on)")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse the KV blocks of "
-      "prompt prefixes seen before (default: on)")
-    a("--seed", type=int, default=0, help="seed of the sampler for requests without one (default: %(default)s)")
-    a("--max-request-body-bytes", type=parse_bytes, default=8 << 20, metavar="BYTES", help="larger request bodies "
-      "get a 413 (default: 8MiB)")
-    a("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
-      help="uvicorn's log level (default: %(default)s)")
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens in one forward pass, the step's budget (default: %(default)s)",
+    )
+    a(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps (default: on)",
+    )
+    a(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes seen before (default: on)",
+    )
+    a(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the sampler for requests without one (default: %(default)s)",
+    )
+    a(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=8 << 20,
+        metavar="BYTES",
+        help="larger request bodies get a 413 (default: 8MiB)",
+    )
+    a(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: %(default)s)",
+    )
     return ap
+
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     "Load the model and build the engine the flags describe."
     t0 = time.time()
     model, tok = load_model(args.model, args.dtype, args.device)
     w = model.lm_head.weight
-    log.info("loaded %s in %.1f s: %s parameters, %s on %s", args.model or "the bundled model", time.time() - t0,
-             f"{sum(p.numel() for p in model.parameters()):,}", str(w.dtype).removeprefix("torch."), w.device)
-    return LLMEngine(model, tok, block_size=args.block_size, num_kv_blocks=args.num_gpu_blocks_override,
-                     kv_cache_memory=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-                     enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    log.info(
+        "loaded %s in %.1f s: %s parameters, %s on %s",
+        args.model or "the bundled model",
+        time.time() - t0,
+        f"{sum(p.numel() for p in model.parameters()):,}",
+        str(w.dtype).removeprefix("torch."),
+        w.device,
+    )
+    return LLMEngine(
+        model,
+        tok,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_gpu_blocks_override,
+        kv_cache_memory=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+
 
 def main(argv: list[str] | None = None) -> None:
     "Serve a model: `python -m minivllm.server [--model M] [--port P] ...`."
@@ -781,15 +1274,28 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(args)
     names = args.served_model_name or ["minivllm" if args.model is None else args.model]
     c = engine.cache
-    log.info("KV cache: %d blocks x %d tokens = %s tokens, %.2f GiB; max_model_len %d, max_num_seqs %d, %d torch threads",
-             c.num_blocks, c.block_size, f"{c.num_blocks * c.block_size:,}", c.nbytes / 2**30, engine.max_model_len,
-             engine.scheduler.config.max_num_seqs, available_cores())
+    log.info(
+        "KV cache: %d blocks x %d tokens = %s tokens, %.2f GiB; max_model_len %d, max_num_seqs %d, %d torch threads",
+        c.num_blocks,
+        c.block_size,
+        f"{c.num_blocks * c.block_size:,}",
+        c.nbytes / 2**30,
+        engine.max_model_len,
+        engine.scheduler.config.max_num_seqs,
+        available_cores(),
+    )
     api_key = args.api_key or os.environ.get("MINIVLLM_API_KEY")
     app = build_app(engine, names, api_key, args.max_request_body_bytes)
-    log.info("serving %s on http://%s:%d (OpenAI API under /v1%s; /health, /metrics)", names, args.host, args.port,
-             ", API key required" if api_key else "")
+    log.info(
+        "serving %s on http://%s:%d (OpenAI API under /v1%s; /health, /metrics)",
+        names,
+        args.host,
+        args.port,
+        ", API key required" if api_key else "",
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 # %% ../nbs/05_server.ipynb #48a86eac
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":
+    main()
