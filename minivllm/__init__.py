@@ -7,5 +7,5 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/00_package.ipynb #f8de0ac4
-from .engine import LLM, LLMEngine, RequestOutput, CompletionOutput
+from .engine import LLM, EngineArgs, LLMEngine, RequestOutput, CompletionOutput
 from .scheduler import SamplingParams

@@ -1,9 +1,13 @@
 """The benchmark tools (06_benchmarks) on a tiny random model: the serving client against a real server (ours, in a
-background thread and as a separate process), its vLLM-style metrics, the decode profiler and the roofline bytes.
+background thread and as a separate process), its vLLM-style metrics, the decode profiler and the roofline bytes, the
+machine every result records, and the committed results themselves.
 The figures themselves come from `#| bench` cells on the bundled model; these tests check the machinery that makes
 them, so that a wrong count or definition cannot hide behind a plausible number."""
+import json
 import socket
 import sys
+from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,7 +86,8 @@ def test_memory_bandwidth_is_plausible():
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_compare_servers_runs_a_real_server_process(tiny_folder):
@@ -93,10 +98,94 @@ def test_compare_servers_runs_a_real_server_process(tiny_folder):
                                  num_prompts=lambda c: 2 * c, min_tokens=2, max_tokens=6)
     assert [(r["server"], r["concurrency"], r["prompts"], r["completed"]) for r in rows] == [("tiny", 1, 2, 2), ("tiny", 3, 6, 6)]
     assert all(r["total_output_tokens"] == r["requested_tokens"] for r in rows)
-    with pytest.raises(ConnectionError): socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    with pytest.raises(ConnectionError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 def test_server_process_that_dies_is_an_error():
     with pytest.raises(RuntimeError, match="exited with 3"):
         with bench.server_process([sys.executable, "-c", "import sys; sys.exit(3)"], "http://127.0.0.1:9/v1"):
             pass
+
+
+# The machine every result records
+
+MACHINE_KEYS = {"cpu", "cores", "flags", "torch", "torch_threads", "date", "recorded"}
+RESULTS = sorted((Path(__file__).resolve().parent.parent / "nbs" / "results").glob("*.json"))
+
+
+def test_machine_info_records_cpu_flags_torch_and_date():
+    m = bench.machine_info()
+    assert MACHINE_KEYS <= m.keys()
+    assert m["cores"] >= 1 and m["cpu"] and m["torch"] == torch.__version__
+    assert set(m["flags"]) <= set(bench.CPU_FLAGS)
+    assert datetime.fromisoformat(m["date"]).utcoffset().total_seconds() == 0  # UTC, with its offset
+    assert m["recorded"] == "by the run"
+
+
+def test_machine_info_reads_the_flags_of_proc_cpuinfo(monkeypatch):
+    fields = {"model name": "Test CPU 9000", "flags": "fpu sse2 avx2 fma avx512f amx_tile"}
+    monkeypatch.setattr(bench, "_cpuinfo", lambda: fields)
+    m = bench.machine_info()
+    assert (m["cpu"], m["flags"]) == ("Test CPU 9000", ["avx2", "fma", "avx512f", "amx_tile"])
+    line = bench.describe_machine(m)
+    assert line.startswith("Test CPU 9000, ") and "no avx512_bf16" in line and "recorded" not in line
+
+
+def test_describe_machine_marks_a_record_made_after_the_run():
+    m = {"cpu": "AMD EPYC", "cpu_family": "Zen 3", "cores": 2, "flags": ["avx2", "fma"], "torch": "2.13.0+cpu",
+         "torch_threads": 2, "cuda": None, "date": "2026-11-30", "recorded": "after the run, from the run's notes"}
+    line = bench.describe_machine(m)
+    assert line.startswith("AMD EPYC (Zen 3), 2 cores, avx2 fma, no avx512f/avx512_bf16/amx_tile")
+    assert line.endswith("2026-11-30 [recorded after the run, from the run's notes]")
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
+def test_every_committed_result_records_its_machine(path):
+    m = json.loads(path.read_text())["machine"]
+    assert MACHINE_KEYS <= m.keys(), f"{path.name}: the machine lacks {MACHINE_KEYS - m.keys()}"
+    assert m["cores"] >= 1 and m["torch"] and datetime.fromisoformat(m["date"])
+
+
+def test_results_folder_is_not_empty():
+    assert {p.stem for p in RESULTS} >= {"offline_float32", "offline_bfloat16", "profile_float32", "features"}
+
+
+def test_command_line_writes_the_machine_and_its_arguments(server, tmp_path):
+    out = tmp_path / "serve.json"
+    bench.main(["serve", "--base-url", f"{server.url}/v1", "--num-prompts", "3", "--max-tokens", "20",
+                "--api-key", "secret", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert (saved["completed"], saved["failed"]) == (3, 0)
+    assert saved["params"]["num_prompts"] == 3 and "api_key" not in saved["params"]  # no secret in a result
+    assert saved["machine"]["cores"] >= 1 and saved["machine"]["recorded"] == "by the run"
+
+
+@pytest.mark.parametrize("cmd, args", [
+    ("offline", ["--concurrency", "2", "--num-requests", "2", "--min-tokens", "3", "--max-tokens", "6"]),
+    ("profile", ["--batch-size", "2", "--steps", "2"]),
+    ("features", ["--system-tokens", "40", "--users", "2", "--prompt-tokens", "60", "--streams", "2",
+                  "--budget", "16"]),
+])
+def test_model_subcommands_take_the_engines_flags(tiny_folder, tmp_path, monkeypatch, cmd, args):
+    seen = []
+
+    class Recording(LLMEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen.append((self.args.num_kv_blocks, self.args.block_size))
+
+    monkeypatch.setattr(bench, "LLMEngine", Recording)
+    out = tmp_path / f"{cmd}.json"
+    bench.main([cmd, "--model", str(tiny_folder), "--num-kv-blocks", "300", "--block-size", "4", *args,
+                "--json", str(out)])
+    assert seen and set(seen) == {(300, 4)}  # every engine the benchmark built has the flags' values
+    saved = json.loads(out.read_text())
+    assert (saved["params"]["num_kv_blocks"], saved["params"]["block_size"]) == (300, 4)
+    assert saved["machine"]["recorded"] == "by the run"
+    if cmd == "offline":
+        assert saved["rows"][0]["identical"] == 2 and saved["rows"][0]["tokens"] >= 2 * 3
+    elif cmd == "profile":
+        assert saved["profiles"][0]["batch_size"] == 2 and saved["decode_bytes"] > 0
+    else:
+        assert saved["shared_prefix"]["identical"] == 2 and saved["long_prompt"]["on"]["long_prompt_s"] > 0

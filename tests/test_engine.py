@@ -247,7 +247,7 @@ def test_stop_string_spanning_tokens_is_caught_and_excluded(scripted):
         assert "".join(deltas) == o.text, "streamed text must never be taken back"
         assert not any("\ufffd" in d for d in deltas)
         assert sum((x.outputs[0].delta_token_ids for x in outs), []) == o.token_ids
-        assert eng.bm.num_free_blocks == eng.bm.num_blocks
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
 def test_streaming_multibyte_text_without_stops(scripted):
@@ -350,7 +350,7 @@ def test_preemption_is_invisible(tiny, params, chunked, prefix):
           f"unpreempted {sum(a == b for a, b in zip(ref, got))}/{len(ref)} with {st.num_preemptions} preemptions")
     assert got == ref
     assert st.num_preemptions > 0
-    assert st.num_free_blocks == st.num_blocks and all(r == 0 for r in tight.engine.bm.allocator.ref_counts)
+    assert st.num_free_blocks == st.num_blocks and all(r == 0 for r in tight.engine.block_manager.allocator.ref_counts)
     assert not tight.engine.scheduler.running and not tight.engine.scheduler.waiting
 
 
@@ -434,7 +434,7 @@ def test_budget_and_cap_are_never_exceeded(tiny):
         assert max(n for n, _, _ in seen) <= budget and max(k for _, k, _ in seen) <= 3 and max(r for *_, r in seen) <= 3
         if chunked: assert max(n for n, _, _ in seen) == budget           # the budget was actually reached
         assert max(k for _, k, _ in seen) == 3                               # and so was the cap
-        assert eng.bm.num_free_blocks == eng.bm.num_blocks
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
 def test_abort_frees_every_block(tiny):
@@ -445,17 +445,17 @@ def test_abort_frees_every_block(tiny):
     wait = eng.add_request("waiting for a seat", p)
     for _ in range(3): eng.step()
     sched = eng.scheduler
-    by_id = {st.seq.request_id: st.seq for r in eng.requests.values() for st in r.states}
+    by_id = {s.request_id: s for s in [*sched.running, *sched.waiting]}
     assert by_id[mid].num_computed < by_id[mid].num_tokens and by_id[mid].block_table.blocks   # mid-prefill
     assert by_id[wait] in sched.waiting
     assert eng.abort(mid) and eng.abort(wait)
     assert not eng.abort(mid) and not eng.abort("no such request")
     assert [s.request_id for s in sched.running] == [keep] and not sched.waiting
-    assert eng.bm.num_free_blocks == eng.bm.num_blocks - len(by_id[keep].block_table.blocks)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks - len(by_id[keep].block_table.blocks)
     eng.step()
     assert eng.abort(keep)                                                                    # while decoding
-    assert eng.bm.num_free_blocks == eng.bm.num_blocks and not eng.has_unfinished_requests()
-    assert all(r == 0 for r in eng.bm.allocator.ref_counts)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks and not eng.has_unfinished_requests()
+    assert all(r == 0 for r in eng.block_manager.allocator.ref_counts)
     # the engine goes on as if nothing happened
     after = tokens(LLM.from_engine(eng).generate("keep going", p, use_tqdm=False))
     assert after == tokens(llm(tiny).generate("keep going", p, use_tqdm=False))
@@ -539,7 +539,7 @@ def test_generate_refuses_and_cleans_up(tiny):
     with pytest.raises(SamplingError) as e:
         L.generate("fine", SamplingParams(top_p=0), use_tqdm=False)
     assert e.value.param == "top_p"
-    assert not L.engine.has_unfinished_requests() and L.engine.bm.num_free_blocks == L.engine.bm.num_blocks
+    assert not L.engine.has_unfinished_requests() and L.engine.block_manager.num_free_blocks == L.engine.block_manager.num_blocks
     assert not L.engine.scheduler.waiting and not L.engine.scheduler.running
 
 
@@ -704,3 +704,110 @@ def test_bundled_min_tokens_and_repetition_penalty(bundled):
                      use_tqdm=False)[0].outputs[0]
     print(f"bundled: repetitive prompt -> {plain.text!r}; repetition_penalty=1.5 -> {pen.text!r}")
     assert pen.token_ids != plain.token_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# EngineArgs: one configuration for LLM, LLMEngine, the command lines
+
+def test_engine_args_one_place_for_every_default(tiny):
+    import argparse, dataclasses
+    from minivllm.engine import EngineArgs
+    eng = engine(tiny)
+    assert eng.args == dataclasses.replace(EngineArgs(), num_kv_blocks=256, block_size=4)
+    assert eng.scheduler.config.max_num_seqs == EngineArgs().max_num_seqs == 64
+    with pytest.raises(TypeError, match="no_such_option"):
+        engine(tiny, no_such_option=1)
+    ap = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = ap.parse_args(["--max-num-seqs", "3", "--num-gpu-blocks-override", "64", "--kv-cache-memory", "512M",
+                        "--no-enable-chunked-prefill", "--max-model-len", "128"])
+    a = EngineArgs.from_cli_args(ns)
+    assert (a.max_num_seqs, a.num_kv_blocks, a.kv_cache_memory, a.enable_chunked_prefill) == (3, 64, 512_000_000, False)
+    e2 = LLMEngine(tiny[0], tiny[1], a)
+    assert e2.scheduler.config.max_num_batched_tokens == 2048 and e2.block_manager.num_blocks == 64
+    assert "--enable-prefix-caching" in ap.format_help() and "--log-steps" not in ap.format_help()
+
+
+def test_llm_takes_engine_args_and_has_vllms_attribute(tiny_folder):
+    L = LLM(str(tiny_folder), dtype="float32", device="cpu", num_kv_blocks=32, block_size=4, max_num_seqs=2)
+    assert L.llm_engine is L.engine and L.llm_engine.args.max_num_seqs == 2
+    assert L.llm_engine.args.model == str(tiny_folder) and L.llm_engine.block_manager.num_blocks == 32
+    out = L.generate("hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# n > 1 shares the prompt; errors stay with their request; tiny temperatures are greedy
+
+def blocks_in_use(eng) -> int:
+    return eng.block_manager.num_blocks - eng.block_manager.num_free_blocks
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_n_completions_share_the_prompt_blocks(tiny, caching):
+    held = {}
+    for n in (1, 4):
+        eng = engine(tiny, enable_prefix_caching=caching)
+        eng.add_request(list(range(37)), SamplingParams(n=n, temperature=0.8, seed=1, max_tokens=4))
+        eng.step()
+        after_prompt = blocks_in_use(eng)
+        eng.step()
+        held[n] = (after_prompt, blocks_in_use(eng))
+        assert eng.stats().prompt_tokens == 37
+    assert held[1] == (10, 10)
+    assert held[4] == (10, 13)              # 10 shared prompt blocks + 3 copies of the partly filled last one
+
+
+def test_n_completions_are_the_same_shared_or_not(tiny):
+    sp = SamplingParams(n=4, temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)
+    shared = llm(tiny).generate("Hello", sp, use_tqdm=False)[0]
+    apart = llm(tiny, max_num_seqs=1).generate("Hello", sp, use_tqdm=False)[0]   # n > cap: four separate prompts
+    assert [c.token_ids for c in shared.outputs] == [c.token_ids for c in apart.outputs]
+    assert len({tuple(c.token_ids) for c in shared.outputs}) > 1
+    for a, b in zip(shared.outputs, apart.outputs):
+        assert math.isclose(a.cumulative_logprob, b.cumulative_logprob, rel_tol=1e-5)
+
+
+def test_a_non_finite_row_fails_only_its_request(tiny):
+    eng = engine(tiny)
+    bad = eng.add_request("spoiled", SamplingParams(temperature=0.7, max_tokens=8, n=2))
+    good = eng.add_request("fine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    run = eng.runner.run
+    def spoil(batch):
+        logits = run(batch).clone()
+        for i, s in enumerate(batch.sampling):
+            if s.request_id == bad and s.num_output_tokens >= 2:
+                logits[i] = float("nan")
+        return logits
+    eng.runner.run = spoil
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals |= {o.request_id: o for o in eng.step() if o.finished}
+    assert [c.finish_reason for c in finals[bad].outputs] == ["error", "error"] and "not finite" in finals[bad].error
+    assert finals[good].error is None and len(finals[good].outputs[0].token_ids) == 8
+    assert blocks_in_use(eng) == 0
+
+
+def test_a_detokenizer_error_fails_only_its_request(tiny, monkeypatch):
+    import minivllm.engine as engine_module
+    eng = engine(tiny)
+    bad = eng.add_request("bad", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    good = eng.add_request("good", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    victim, real = eng.requests[bad].prompt_token_ids, engine_module.detokenize_incrementally
+    def broken(tokenizer, ids, *a, **kw):
+        if list(ids[: len(victim)]) == victim:
+            raise UnicodeError("cannot decode")
+        return real(tokenizer, ids, *a, **kw)
+    monkeypatch.setattr(engine_module, "detokenize_incrementally", broken)
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals |= {o.request_id: o for o in eng.step() if o.finished}
+    assert finals[bad].outputs[0].finish_reason == "error" and "UnicodeError" in finals[bad].error
+    assert finals[good].outputs[0].finish_reason == "length" and blocks_in_use(eng) == 0
+
+
+def test_tiny_temperatures_are_greedy(tiny):
+    L = llm(tiny)
+    ref = tokens(L.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False))
+    for t in (1e-45, 1e-6):
+        got = tokens(L.generate(["a", "b"], SamplingParams(temperature=t, max_tokens=8, ignore_eos=True), use_tqdm=False))
+        assert got == ref

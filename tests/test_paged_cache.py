@@ -1,6 +1,7 @@
 """minivllm.paged_cache: the block allocator and block tables (hypothesis programs of allocate/append/fork/free,
 checked against an independent shadow of the pool's contents), OutOfBlocks as an explicit, side-effect-free
-condition, copy-on-write after fork, block-wise decode attention against a padded copy and a naive reference, and
+condition, copy-on-write after fork, block-wise decode attention against a padded copy and a naive reference, the
+batch layout the caller asks for (prefill or decode rows), a prefix-cache hit followed by the rest of the prompt, and
 logits/greedy parity through the paged cache with a cache-free forward and with transformers (tiny configs; the
 bundled model under `slow`) at block sizes 1, 4, 16 and 7, prompts just below, on and just above block boundaries."""
 import math
@@ -13,9 +14,9 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config as HFQwen2Config
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
-from minivllm.paged_cache import (BlockAllocator, BlockManager, BlockTable, KVCache, OutOfBlocks, PagedBatch,
-                                  check_block_invariants, kv_bytes_per_token, num_kv_blocks_for,
-                                  paged_decode_attention, padded_decode_attention)
+from minivllm.paged_cache import (DEFAULT_CPU_KV_BYTES, BlockAllocator, BlockManager, BlockTable, KVCache,
+                                  OutOfBlocks, PagedBatch, check_block_invariants, kv_bytes_per_token,
+                                  num_kv_blocks_for, paged_decode_attention, padded_decode_attention)
 from minivllm.qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
 
 LOGIT_TOL = 1e-4        # float32, tiny models: ours (paged) vs no cache / vs transformers
@@ -70,6 +71,17 @@ def test_allocator_hands_out_the_block_freed_longest_ago():
     assert ids == [0, 1, 2, 3, 4]
     for b in (3, 0, 4): al.free(b)
     assert [al.allocate() for _ in range(3)] == [3, 0, 4]
+
+
+def test_allocator_claim_takes_one_chosen_free_block():
+    al = BlockAllocator(4)
+    al.claim(2)
+    assert list(al.free_ids) == [0, 1, 3] and al.ref_counts == [0, 0, 1, 0]
+    with pytest.raises(ValueError, match="not free"):
+        al.claim(2)
+    al.free(2)
+    assert list(al.free_ids) == [0, 1, 3, 2]  # back at the end of the queue
+    assert [al.allocate() for _ in range(4)] == [0, 1, 3, 2]
 
 
 def test_block_table_slots():
@@ -340,9 +352,19 @@ def test_kv_cache_shapes_and_budget():
     assert cache.nbytes == 10 * 4 * kv_bytes_per_token(cfg, torch.float32)
     assert kv_bytes_per_token(Qwen2Config(), torch.float32) == 24 * 1024   # the bundled model's shape
     per_block = kv_bytes_per_token(cfg, torch.float32) * 4
-    assert num_kv_blocks_for(cfg, 4, torch.float32, CPU, kv_cache_memory=10 * per_block + 1) == 10
-    with pytest.raises(ValueError):
-        num_kv_blocks_for(cfg, 4, torch.float32, CPU, kv_cache_memory=per_block - 1)
+    assert num_kv_blocks_for(cfg, 4, torch.float32, CPU, 10 * per_block + 1, gpu_memory_utilization=0.9) == 10
+    with pytest.raises(ValueError, match="holds no block"):
+        num_kv_blocks_for(cfg, 4, torch.float32, CPU, per_block - 1, gpu_memory_utilization=0.9)
+    auto = num_kv_blocks_for(cfg, 4, torch.float32, CPU, None, gpu_memory_utilization=0.9)  # the CPU rule
+    assert 1 <= auto <= DEFAULT_CPU_KV_BYTES // per_block
+
+
+def test_num_kv_blocks_for_takes_the_engine_options_without_defaults():
+    "The engine's options have their defaults in one place (the engine), not here."
+    import inspect
+    params = inspect.signature(num_kv_blocks_for).parameters
+    for name in ("kv_cache_memory", "gpu_memory_utilization"):
+        assert params[name].default is inspect.Parameter.empty, name
 
 
 def test_copy_blocks():
@@ -408,13 +430,32 @@ def test_paged_batch_build_decode_metadata():
     a = BlockTable(4, [5, 2, 9], 9)       # 8 cached + 1 new
     b = BlockTable(4, [3], 3)             # 2 cached + 1 new
     p = BlockTable(4, [7, 1], 6)          # prefill: 6 new
-    meta = PagedBatch.build(cache, [(p, 0, 6), (a, 8, 1), (b, 2, 1)], CPU)
+    meta = PagedBatch.build(cache, [(p, 0, 6), (a, 8, 1), (b, 2, 1)], 1, CPU)
     assert meta.slot_mapping.tolist() == p.slots(0, 6) + [a.slot(8), b.slot(2)]
     assert meta.num_decode == 2 and len(meta.prefills) == 1 and meta.prefills[0].context_slots is None
     assert meta.block_ids.tolist() == [5, 2, 9, 3] and meta.block_row.tolist() == [0, 0, 0, 1]
     assert meta.valid.sum(1).tolist() == [4, 4, 1, 3]
-    with pytest.raises(ValueError):
-        PagedBatch.build(cache, [(a, 8, 1), (p, 0, 6)], CPU)   # prefills must come first
+    with pytest.raises(ValueError, match="num_new=6"):
+        PagedBatch.build(cache, [(a, 8, 1), (p, 0, 6)], 1, CPU)   # a decode row computes exactly one token
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="num_prefill"):
+            PagedBatch.build(cache, [(p, 0, 6), (a, 8, 1), (b, 2, 1)], bad, CPU)
+
+
+def test_paged_batch_build_takes_the_schedulers_word_for_prefill_or_decode():
+    "The same 1-token items laid out as prefills or as decode rows, as num_prefill says; nothing is re-derived."
+    cache = KVCache(tiny_cfg(), 16, 4, torch.float32, CPU)
+    a = BlockTable(4, [5, 2, 9], 9)       # 8 cached + 1 new
+    one = BlockTable(4, [3], 1)           # a 1-token prompt, nothing cached
+    as_prefill = PagedBatch.build(cache, [(a, 8, 1), (one, 0, 1)], 2, CPU)
+    assert as_prefill.num_decode == 0 and as_prefill.block_ids is None
+    assert [(s.start, s.num_new, s.context_len) for s in as_prefill.prefills] == [(0, 1, 9), (1, 1, 1)]
+    assert as_prefill.prefills[0].context_slots.tolist() == a.slots(0, 9)
+    assert as_prefill.prefills[1].context_slots is None
+    as_decode = PagedBatch.build(cache, [(a, 8, 1), (one, 0, 1)], 0, CPU)
+    assert as_decode.num_decode == 2 and as_decode.prefills == []
+    assert as_decode.block_ids.tolist() == [5, 2, 9, 3] and as_decode.valid.sum(1).tolist() == [4, 4, 1, 1]
+    assert as_prefill.slot_mapping.tolist() == as_decode.slot_mapping.tolist() == [a.slot(8), one.slot(0)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,18 +480,19 @@ def full_logits(model, tokens: list[int]) -> torch.Tensor:
 
 class PagedRunner:
     "Drive a model through BlockManager + KVCache + PagedBatch, like the engine, without a scheduler."
-    def __init__(self, model, block_size: int, num_blocks: int = 256):
+    def __init__(self, model, block_size: int, num_blocks: int = 256, prefix_caching: bool = False):
         self.model = model
-        self.bm = BlockManager(num_blocks, block_size)
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = KVCache(model.config, num_blocks, block_size, torch.float32, CPU)
 
-    def step(self, work: list[tuple[BlockTable, list[int], int, int]]) -> torch.Tensor:
-        "work: (table, all tokens, cached, new) per sequence, prefills first. Returns the logits of each one's last new row."
+    def step(self, work: list[tuple[BlockTable, list[int], int, int]], num_prefill: int) -> torch.Tensor:
+        """work: (table, all tokens, cached, new) per sequence, the first num_prefill of them prefills, the rest decode
+        rows. Returns the logits of each one's last new row."""
         for t, _, cached, n in work:
             assert t.num_tokens == cached
             self.bm.append(t, n)
         self.cache.copy_blocks(self.bm.take_copies())
-        meta = PagedBatch.build(self.cache, [(t, c, n) for t, _, c, n in work], CPU)
+        meta = PagedBatch.build(self.cache, [(t, c, n) for t, _, c, n in work], num_prefill, CPU)
         ids = torch.tensor([x for _, toks, c, n in work for x in toks[c:c + n]])
         pos = torch.cat([torch.arange(c, c + n) for _, _, c, n in work])
         h = self.model(ids, pos, meta)
@@ -461,11 +503,11 @@ class PagedRunner:
         "Prefill all prompts in one flat batch, then decode greedily; the logits behind every token."
         tables = [self.bm.new_table() for _ in prompts]
         seqs, logs = [list(p) for p in prompts], [[] for _ in prompts]
-        logits = self.step([(t, s, 0, len(s)) for t, s in zip(tables, seqs)])
+        logits = self.step([(t, s, 0, len(s)) for t, s in zip(tables, seqs)], len(prompts))
         for _ in range(steps):
             for i, s in enumerate(seqs):
                 logs[i].append(logits[i]); s.append(int(logits[i].argmax()))
-            logits = self.step([(t, s, len(s) - 1, 1) for t, s in zip(tables, seqs)])
+            logits = self.step([(t, s, len(s) - 1, 1) for t, s in zip(tables, seqs)], 0)
         for t in tables: self.bm.free(t)
         assert self.bm.num_free_blocks == self.bm.num_blocks
         return seqs, logs
@@ -486,16 +528,18 @@ def test_prefill_then_decode_equals_no_cache(tiny_model, block_size):
     assert worst <= LOGIT_TOL
 
 
+@pytest.mark.parametrize("one_token_chunk_as", ["prefill", "decode"])
 @pytest.mark.parametrize("block_size", [1, 3, 4, 7])
-def test_chunked_prefill_mixed_with_decodes_equals_no_cache(tiny_model, block_size):
-    "Prompts prefilled in uneven chunks (1-token chunks too) in the same flat batch as other sequences' decodes."
+def test_chunked_prefill_mixed_with_decodes_equals_no_cache(tiny_model, block_size, one_token_chunk_as):
+    """Prompts prefilled in uneven chunks (1-token chunks too) in the same flat batch as other sequences' decodes;
+    a 1-token chunk is laid out as a prefill or as a decode row, as the caller says: both give the same logits."""
     g = torch.Generator().manual_seed(100 + block_size)
     runner = PagedRunner(tiny_model, block_size)
     long_a = torch.randint(0, 128, (23,), generator=g).tolist()
     long_b = torch.randint(0, 128, (2 * block_size + 1,), generator=g).tolist()
     dec = torch.randint(0, 128, (block_size + 1,), generator=g).tolist()
     ta, tb, td = runner.bm.new_table(), runner.bm.new_table(), runner.bm.new_table()
-    runner.step([(td, dec, 0, len(dec))])
+    runner.step([(td, dec, 0, len(dec))], 1)
     chunks_a, chunks_b = [5, 1, 7, 1, 9], [1, 2 * block_size, 0, 0, 0]
     ca = cb = 0
     worst = 0.0
@@ -504,16 +548,40 @@ def test_chunked_prefill_mixed_with_decodes_equals_no_cache(tiny_model, block_si
         work = []
         if chunks_b[step]: work.append((tb, long_b, cb, chunks_b[step]))
         work.append((ta, long_a, ca, chunks_a[step]))
-        # a 1-token chunk with context is laid out as a decode row, so it goes after the multi-token prefills
-        work.sort(key=lambda w: w[3] == 1 and w[2] > 0)
+        if one_token_chunk_as == "decode":  # decode rows go after the prefills
+            work.sort(key=lambda w: w[3] == 1)
+        num_prefill = sum(one_token_chunk_as == "prefill" or n > 1 for *_, n in work)
         work.append((td, dec, len(dec) - 1, 1))
-        logits = runner.step(work)
+        logits = runner.step(work, num_prefill)
         for (t, toks, c, n), l in zip(work, logits):
             worst = max(worst, (l - full_logits(tiny_model, toks[:c + n])[-1]).abs().max().item())
         ca += chunks_a[step]; cb += chunks_b[step]
     assert ca == len(long_a) and cb == len(long_b)
     print(f"block_size={block_size}: chunked prefill + decodes in one batch, max |logit diff| {worst:.2e}")
     assert worst <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("rest_as", ["prefill", "decode"])
+@pytest.mark.parametrize("block_size", [1, 4, 7])
+def test_prefix_cache_hit_then_the_rest_equals_no_cache(tiny_model, block_size, rest_as):
+    """A second prompt finds the first one's full blocks in the prefix cache and computes only the rest; a 1-token
+    rest can be a decode row (as the scheduler passes it) or a prefill. Either way: the logits of no cache."""
+    g = torch.Generator().manual_seed(200 + block_size)
+    runner = PagedRunner(tiny_model, block_size, prefix_caching=True)
+    first = torch.randint(0, 128, (3 * block_size + 1,), generator=g).tolist()
+    t = runner.bm.new_table()
+    runner.step([(t, first, 0, len(first))], 1)
+    runner.bm.register_full_blocks(t, first, len(first))
+    for second in (first[:2 * block_size + 1], first[:3 * block_size] + [5, 6]):  # a 1-token rest, a 2-token rest
+        u = runner.bm.new_table()
+        hit = runner.bm.allocate_prefix(u, second)
+        assert hit == min(3 * block_size, block_size * ((len(second) - 1) // block_size))
+        assert u.blocks == t.blocks[:hit // block_size]
+        rest = len(second) - hit
+        logits = runner.step([(u, second, hit, rest)], 0 if rest_as == "decode" and rest == 1 else 1)
+        assert (logits[0] - full_logits(tiny_model, second)[-1]).abs().max().item() <= LOGIT_TOL
+        runner.bm.free(u)
+    runner.bm.free(t)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 7])
@@ -524,7 +592,7 @@ def test_copy_on_write_after_fork(tiny_model, block_size, prompt_len):
     prompt = torch.randint(0, 128, (prompt_len,), generator=g).tolist()
     runner = PagedRunner(tiny_model, block_size)
     t = runner.bm.new_table()
-    runner.step([(t, prompt, 0, prompt_len)])
+    runner.step([(t, prompt, 0, prompt_len)], 1)
     u = runner.bm.fork(t)
     a, b = list(prompt), list(prompt)
     worst, copies = 0.0, 0
@@ -533,7 +601,7 @@ def test_copy_on_write_after_fork(tiny_model, block_size, prompt_len):
         for table, toks in ((t, a), (u, b)): runner.bm.append(table, 1)
         pairs = runner.bm.take_copies(); copies += len(pairs)
         runner.cache.copy_blocks(pairs)
-        meta = PagedBatch.build(runner.cache, [(t, len(a) - 1, 1), (u, len(b) - 1, 1)], CPU)
+        meta = PagedBatch.build(runner.cache, [(t, len(a) - 1, 1), (u, len(b) - 1, 1)], 0, CPU)
         h = tiny_model(torch.tensor([a[-1], b[-1]]), torch.tensor([len(a) - 1, len(b) - 1]), meta)
         la, lb = tiny_model.compute_logits(h)
         worst = max(worst, (la - full_logits(tiny_model, a)[-1]).abs().max().item(),

@@ -5,7 +5,15 @@
 setup.py builds holds exactly the exported modules and, installed into a fresh venv, imports and runs away from
 the checkout. Every check works on a scratch copy: nothing in the checkout is written.
 """
-import importlib.util, json, os, shutil, subprocess, sys, sysconfig, zipfile
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -40,19 +48,23 @@ def scratch_project(dest: Path, *extra: str) -> Path:
     "A copy of settings.ini, nbs/ and `extra` paths in `dest`: enough for nbdev to run on."
     for name in ("settings.ini", "nbs", *extra):
         src = ROOT / name
-        if src.is_dir(): shutil.copytree(src, dest / name, ignore=IGNORE)
-        elif src.is_file(): shutil.copy2(src, dest / name)
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=IGNORE)
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
     return dest
 
 # README and front page
 
-def load_make_readme():
-    spec = importlib.util.spec_from_file_location("make_readme", ROOT / "tools" / "make_readme.py")
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+def load_tool(name: str):
+    "The script tools/<name>.py, imported as a module."
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 def test_readme_is_generated_from_index():
-    expected = load_make_readme().render(ROOT / "index.ipynb")
+    expected = load_tool("make_readme").render(ROOT / "index.ipynb")
     assert (ROOT / "README.md").read_text(encoding="utf-8") == expected, \
         "README.md is out of date with index.ipynb: run `python tools/make_readme.py`"
 
@@ -60,6 +72,86 @@ def test_index_links_every_notebook():
     index = (ROOT / "index.ipynb").read_text(encoding="utf-8")
     missing = [nb.name for nb in sorted((ROOT / "nbs").glob("[0-9]*.ipynb")) if f"(nbs/{nb.name})" not in index]
     assert not missing, f"index.ipynb's notebook map has no link to {missing}"
+
+NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+
+def test_index_counts_the_notebooks():
+    count = len(list((ROOT / "nbs").glob("[0-9]*.ipynb")))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    said = re.search(r"written as (\w+) \[nbdev\]", readme)
+    assert said, "README.md no longer says how many notebooks the book has"
+    assert said.group(1) == NUMBERS[count], f"README.md says {said.group(1)} notebooks; nbs/ holds {count}"
+
+def test_readme_performance_figures_are_the_committed_results():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    perf = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    res = {p.stem: json.loads(p.read_text()) for p in (ROOT / "nbs" / "results").glob("*.json")}
+    figures = [f"{r['speedup']:.2f}x" for dt in ("float32", "bfloat16") for r in res[f"offline_{dt}"]["rows"]]
+    prof = res["profile_float32"]
+    one, roof = prof["profiles"][0], prof["bandwidth_gb_s"] * 1e9 / prof["decode_bytes"]
+    figures += [f"{100 * one['tok_per_s'] / roof:.0f}% of the", f"({one['tok_per_s']:.1f} of {roof:.1f} tokens/s)"]
+    served = {(r["server"], r["concurrency"]): r["output_throughput"] for r in res["serving"]["rows"]}
+    figures += [f"{served['llama.cpp', c]:.1f}" for c in (1, 16)]
+    shared = res["features"]["shared_prefix"]
+    figures += [f"{shared['off']['mean_ttft_s']:.1f} s → {shared['on']['mean_ttft_s']:.1f} s"]
+    figures += [f"{100 * shared['on']['hit_tokens'] / shared['on']['queried_tokens']:.0f}% of the prompt tokens"]
+    missing = [f for f in figures if f not in perf]
+    assert not missing, f"README.md's Performance section does not quote these figures of nbs/results: {missing}"
+
+# The notebook tools: outputs without progress bars, and a check that every cell that shows something has them
+
+def test_progress_bars_are_told_from_other_stderr():
+    is_progress = load_tool("fill_outputs").is_progress
+    bars = "loading x:   0%|          | 0/27 [00:00<?, ?tensor/s]\rloading x: 100%|##########| 27/27 [00:00<00:00]\n"
+    assert is_progress({"output_type": "stream", "name": "stderr", "text": bars})
+    assert not is_progress({"output_type": "stream", "name": "stderr", "text": "UserWarning: 50%|kept|\nmore\n"})
+    assert not is_progress({"output_type": "stream", "name": "stdout", "text": bars})
+
+def notebook(path: Path, cells: list[tuple[str, list]]) -> Path:
+    "A notebook of code cells: (source, outputs) each."
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": outs,
+                     "source": src} for i, (src, outs) in enumerate(cells)],
+          "metadata": {"kernelspec": {"display_name": "python3", "language": "python", "name": "python3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(nb))
+    return path
+
+PRINTED = [{"name": "stdout", "output_type": "stream", "text": "hi\n"}]
+
+@pytest.mark.parametrize("cells, rc, names", [
+    ([("x = 1", []), ("print('hi')", PRINTED)], 0, []),                   # every cell that prints has its output
+    ([("x = 1", []), ("print('hi')", [])], 1, ["cell 1 shows output"]),   # a printing cell without output
+    ([("x = 2", []), ("x", [])], 1, ["cell 1 shows output"]),             # a cell's value counts too
+    ([("#| slow\nprint('hi')", [])], 0, []),                              # a flagged cell not asked for is skipped
+    ([("#| eval: false\nprint('hi')", [])], 0, []),
+    ([("import sys\nprint('warn', file=sys.stderr)", [])], 0, []),       # stderr alone is not an output to keep
+    ([("raise ValueError('boom')", [])], 1, ["ValueError", "a cell failed"]),  # a cell error fails, as in nbdev_test
+])
+def test_check_outputs(tmp_path, cells, rc, names):
+    nb = notebook(tmp_path / "nb.ipynb", cells)
+    r = subprocess.run([sys.executable, ROOT / "tools" / "check_outputs.py", nb], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == rc, r.stderr
+    assert all(n in r.stderr for n in names), r.stderr
+
+def test_check_outputs_runs_flagged_cells_when_asked(tmp_path):
+    nb = notebook(tmp_path / "nb.ipynb", [("#| slow\nprint('hi')", [])])
+    r = subprocess.run([sys.executable, ROOT / "tools" / "check_outputs.py", nb, "--flags", "slow"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "cell 0 shows output" in r.stderr, r.stderr
+
+def test_fill_outputs_saves_outputs_that_check_outputs_accepts(tmp_path):
+    nb = notebook(tmp_path / "nb.ipynb", [("from tqdm import tqdm\nfor _ in tqdm(range(3)): pass\nprint('hi')", [])])
+    run([sys.executable, ROOT / "tools" / "fill_outputs.py", nb], cwd=tmp_path)
+    outputs = json.loads(nb.read_text())["cells"][0]["outputs"]
+    assert [(o["name"], "".join(o["text"])) for o in outputs] == [("stdout", "hi\n")]  # no progress bar
+    run([sys.executable, ROOT / "tools" / "check_outputs.py", nb], cwd=tmp_path)
+
+def test_check_style_leaves_out_only_nbdevs_all_lines(tmp_path):
+    long = "x" * 120
+    (tmp_path / "mod.py").write_text(f"__all__ = ['a',\n           '{long}']\n\ny = 1; z = 2\nw = '{long}'\n")
+    found = load_tool("check_style").findings(tmp_path)
+    assert sorted((f["code"], f["location"]["row"]) for f in found) == [("E501", 5), ("E702", 4)]
 
 # nbdev: export and clean change nothing
 
@@ -114,7 +206,8 @@ def build_wheel(src: Path, dist: Path) -> Path:
     try:
         import setuptools
         isolate = int(setuptools.__version__.split(".")[0]) < 64
-    except ImportError: isolate = True
+    except ImportError:
+        isolate = True
     run([sys.executable, "-m", "build", "--wheel", "--outdir", dist] + ([] if isolate else ["--no-isolation"]), cwd=src)
     wheels = list(dist.glob("minivllm-*.whl"))
     assert len(wheels) == 1, wheels
@@ -124,11 +217,14 @@ def build_wheel(src: Path, dist: Path) -> Path:
 def installed_wheel(tmp_path_factory):
     "(wheel, venv folder, venv python): the wheel built from a copy of the checkout, installed into a fresh venv."
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"; src.mkdir()
+    src = tmp / "src"
+    src.mkdir()
     for name in ("setup.py", "settings.ini", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "minivllm"):
         p = ROOT / name
-        if p.is_dir(): shutil.copytree(p, src / name, ignore=IGNORE)
-        elif p.is_file(): shutil.copy2(p, src / name)
+        if p.is_dir():
+            shutil.copytree(p, src / name, ignore=IGNORE)
+        elif p.is_file():
+            shutil.copy2(p, src / name)
     wheel = build_wheel(src, tmp / "dist")
     venv = tmp / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
@@ -174,4 +270,5 @@ def test_console_scripts_resolve(installed_wheel, tmp_path):
         broken = [s for s, ok in json.loads(r.stdout.strip().splitlines()[-1]).items() if not ok]
         assert not broken, f"console scripts that point at nothing callable: {broken}"
     missing = sorted(set(scripts) - set(present))
-    if missing: pytest.skip(f"setup.py declares console scripts whose module is not exported yet: {missing}")
+    if missing:
+        pytest.skip(f"setup.py declares console scripts whose module is not exported yet: {missing}")

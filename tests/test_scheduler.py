@@ -97,7 +97,7 @@ class FakeModel:
     the token and every token before it), checks the whole context when a sequence samples, publishes full blocks
     to the prefix cache."""
     def __init__(self, sched: Scheduler, max_out: dict[int, int], max_model_len: int):
-        self.sched, self.bm, self.max_out, self.max_model_len = sched, sched.bm, max_out, max_model_len
+        self.sched, self.bm, self.max_out, self.max_model_len = sched, sched.block_manager, max_out, max_model_len
         self.pool: dict[int, tuple] = {}
         self.steps = self.preempted = 0
 
@@ -113,8 +113,8 @@ class FakeModel:
         assert b.num_tokens <= cfg.max_num_batched_tokens, (b.num_tokens, cfg.max_num_batched_tokens)
         assert len(b.items) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
         assert len({id(s) for s, _ in b.items}) == len(b.items), "a sequence twice in one step"
-        kinds = [n > 1 or s.num_computed == 0 for s, n in b.items]
-        assert kinds == sorted(kinds, reverse=True), "prefill rows must come before decode rows"
+        kinds = [n > 1 or s.num_computed == 0 for s, n in b.items]     # prefill rows, by their shape
+        assert kinds == [i < b.num_prefill for i in range(len(b.items))], "prefill rows first, as many as num_prefill"
         if not cfg.enable_chunked_prefill:
             prefill = [id(s) not in was_running and n == s.num_tokens - s.num_computed for s, n in b.items]
             decode = [id(s) in was_running and n == 1 and s.num_computed == s.num_tokens - 1 for s, n in b.items]
@@ -287,7 +287,7 @@ def run_workload(chunked, prefix, block_size, max_model_len, num_blocks, budget,
         s = seq(bm, plen, f"r{i}", base=family)
         fits = 1 <= plen < max_model_len and (chunked or plen <= budget)
         try:
-            sched.check(plen)
+            sched.check_prompt(plen)
         except RequestTooLong:
             assert not fits, f"a {plen}-token prompt that fits was refused"
             with pytest.raises(RequestTooLong): sched.add(s)        # add() refuses it the same way
@@ -339,8 +339,8 @@ def test_prefix_hit_of_all_but_one_token_then_a_prefill_without_chunking():
     sched.add(again); sched.add(other)
     b = sched.schedule()
     assert sorted((s.request_id, n, s.num_computed) for s, n in b.items) == [("again", 1, 8), ("other", 6, 0)]
-    kinds = [n > 1 or s.num_computed == 0 for s, n in b.items]      # what PagedBatch.build lays out as a prefill
-    assert kinds == sorted(kinds, reverse=True), f"prefill rows must come first: {b.items}"
+    # the 1-token rest of the cache hit is a decode row, after the one prefill row
+    assert b.num_prefill == 1 and [s.request_id for s, _ in b.items] == ["other", "again"], b.items
 
 
 @pytest.mark.parametrize("chunked,prefix", [
@@ -375,8 +375,68 @@ def test_pool_smaller_than_max_model_len(chunked):
     try:
         sched = Scheduler(SchedulerConfig(4, 64, 64, chunked), bm)
         s = seq(bm, 10)
-        sched.check(s.num_prompt_tokens)           # what add() checks (drive() adds it)
+        sched.check_prompt(s.num_prompt_tokens)           # what add() checks (drive() adds it)
     except (ValueError, RequestTooLong):
         return
     drive(sched, bm, [(0, s)], {s.seq_id: 20}, 64, max_steps=200)
     assert s.finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scheduler owns the lifecycle: update() counts, appends, forks and stops on tokens
+
+def test_batch_classifies_rows_once():
+    sched, bm = make(num_blocks=32, block_size=4, chunked=True, budget=12, prefix=False)
+    a, b = seq(bm, 6, "a"), seq(bm, 20, "b", base=500)
+    sched.add(a); sched.add(b)
+    batch = sched.schedule()                       # a whole (6), b cut to a 6-token chunk
+    assert batch.items == [(a, 6), (b, 6)] and batch.num_prefill == 2 and batch.sampling == [a]
+    sched.update(batch, [(a, 7)])
+    assert (a.num_computed, a.token_ids[-1], b.num_computed, b.num_tokens) == (6, 7, 6, 20)
+    batch = sched.schedule()                       # a decodes; b's next chunk is a prefill row, first
+    assert batch.items == [(b, 11), (a, 1)] and batch.num_prefill == 1 and batch.sampling == [a]
+
+
+def test_token_stop_rules():
+    sched, bm = make(max_model_len=12)
+    sched.eos_token_ids = [2]
+    s = seq(bm, 4, max_tokens=5, min_tokens=2, stop_token_ids=[9])
+    sched.add(s)
+    def step(tok):
+        batch = sched.schedule()
+        sched.update(batch, [(x, tok) for x in batch.sampling])
+        return s.finish_reason, s.stop_reason
+    assert step(2) == (None, None)                 # eos before min_tokens: ignored
+    assert step(9) == ("stop", 9)                  # a stop token after min_tokens: its id is the stop reason
+    s2 = seq(bm, 4, max_tokens=2)
+    sched.add(s2)
+    for tok in (5, 6):
+        b = sched.schedule(); sched.update(b, [(x, tok) for x in b.sampling])
+    assert (s2.finish_reason, s2.output_token_ids) == ("length", [5, 6]) and bm.num_free_blocks == bm.num_blocks
+
+
+def test_forks_share_the_prompt_and_copy_on_write():
+    sched, bm = make(num_blocks=32, block_size=4, prefix=False)
+    first, *others = [Sequence("r", list(range(10)), SamplingParams(max_tokens=3), bm.new_table(), i) for i in range(4)]
+    first.forks = others
+    sched.add(first)
+    batch = sched.schedule()
+    assert batch.sampling == [first] and not any(o.status == SequenceStatus.RUNNING for o in others)
+    sched.update(batch, [(s, 100 + s.index) for s in [first, *others]])
+    assert bm.num_blocks - bm.num_free_blocks == 3 and len(sched.running) == 4
+    assert all(s.block_table.blocks == first.block_table.blocks and s.num_computed == 10 for s in others)
+    assert [s.output_token_ids for s in [first, *others]] == [[100], [101], [102], [103]]
+    batch = sched.schedule()                       # each writes position 10 into the shared third block
+    assert bm.num_blocks - bm.num_free_blocks == 3 + 3 and len(bm.take_copies()) == 3
+    check_block_invariants(bm, [s.block_table for s in [first, *others]])
+    for s in [first, *others]:
+        sched.finish(s, "abort")
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_request_whose_forks_exceed_the_cap_is_refused():
+    sched, bm = make(cap=2)
+    s = seq(bm, 4)
+    s.forks = [seq(bm, 4), seq(bm, 4)]
+    with pytest.raises(RequestTooLong, match="max_num_seqs"):
+        sched.add(s)
