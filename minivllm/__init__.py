@@ -7,5 +7,22 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/00_package.ipynb #f8de0ac4
-from .engine import LLM, EngineArgs, LLMEngine, RequestOutput, CompletionOutput
-from .scheduler import SamplingParams
+import importlib
+
+# Loaded on first use (PEP 562), so that `python -m minivllm.engine` or `python -m minivllm.server` does not import
+# its own module twice through the package, and `import minivllm` stays light.
+_HOMES = {
+    "LLM": "minivllm.engine",
+    "EngineArgs": "minivllm.engine",
+    "LLMEngine": "minivllm.engine",
+    "RequestOutput": "minivllm.engine",
+    "CompletionOutput": "minivllm.engine",
+    "SamplingParams": "minivllm.scheduler",
+}
+
+
+def __getattr__(name: str):
+    "`minivllm.LLM` and the other front-door names, imported from their module when first asked for."
+    if name not in _HOMES:
+        raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -272,3 +272,12 @@ def test_console_scripts_resolve(installed_wheel, tmp_path):
     missing = sorted(set(scripts) - set(present))
     if missing:
         pytest.skip(f"setup.py declares console scripts whose module is not exported yet: {missing}")
+
+
+def test_the_cli_modules_run_without_a_double_import_warning():
+    "The package's front door loads lazily: `python -m minivllm.engine` does not import itself twice."
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "minivllm.engine", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--max-num-seqs" in r.stdout and "RuntimeWarning" not in r.stderr, r.stderr
