@@ -1,9 +1,16 @@
 "Shared test helpers: the `slow` marker and a tiny random model folder."
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+
+# Triton decides at import whether it interprets kernels; on a machine without CUDA it must (set before any test
+# module, or a library such as xgrammar, imports triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -1,0 +1,200 @@
+"""The Triton paged-attention decode kernel against its plain-PyTorch twin, on the CPU (Triton's interpreter).
+
+TRITON_INTERPRET=1 has to be set before triton is first imported (triton decides at import whether its kernels
+compile or run in the interpreter), so it is set here, before minivllm.triton_attention imports triton. Shapes
+stay small: the interpreter runs every program of the grid in numpy.
+
+Tolerances: float32 within 1e-5 of the reference; float16 and bfloat16 within one unit in the last place
+of the output (rtol = the dtype's eps) plus 1e-5. The reference computes in float32 and rounds once, as the
+kernel does; they can still differ by one unit where the two float32 results round to different neighbours,
+and in bfloat16 often do: the interpreter converts float32 to bfloat16 by truncation, where a GPU rounds to
+nearest.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported; CUDA is not needed for the tests
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+from minivllm.paged_cache import paged_decode_attention, padded_decode_attention  # noqa: E402
+from minivllm.triton_attention import (  # noqa: E402
+    HAS_TRITON,
+    decode_attention_reference,
+    paged_decode_attention_triton,
+    random_decode_batch,
+)
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEADS = [(14, 2), (4, 4), (5, 1)]  # (Hq, Hkv): the bundled model's GQA, MHA, MQA
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted():
+    "The kernel tests need triton's interpreter: a triton imported earlier without it cannot run on the CPU."
+    if HAS_TRITON and not INTERPRETED:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in the environment")
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    "atol/rtol for kernel against reference: 1e-5 in float32, one unit in the last place in 16-bit dtypes."
+    rtol = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    return dict(atol=1e-5, rtol=rtol)
+
+
+def boundary_lens(bs: int) -> list[int]:
+    "Context lengths on both sides of block boundaries, mixed in one batch."
+    return sorted({1, max(bs - 1, 1), bs, bs + 1, 2 * bs, 3 * bs + 2})
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("bs", [1, 7, 16])
+def test_kernel_matches_reference(bs, heads, dtype):
+    # the pools hold NaN in every slot outside the contexts and the tables are padded with an all-NaN block:
+    # one read past a context would turn the output into NaN
+    q, k_pool, v_pool, tables, lens = random_decode_batch(boundary_lens(bs), bs, *heads, 32, dtype, seed=bs)
+    out = paged_decode_attention_triton(q, k_pool, v_pool, tables, lens)
+    ref = decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), **tolerance(dtype))
+
+
+@needs_triton
+def test_kernel_matches_the_eager_paths():
+    # the project's eager decode attentions multiply zero weights by what unused slots hold: zeros here
+    lens = [1, 5, 7, 12, 20]
+    q, k_pool, v_pool, tables, ctx = random_decode_batch(lens, 4, 14, 2, 64, fill=0.0, seed=1)
+    out = paged_decode_attention_triton(q, k_pool, v_pool, tables, ctx)
+    padded = padded_decode_attention(q, k_pool, v_pool, tables.long(), ctx.long())
+    torch.testing.assert_close(out, padded, atol=1e-5, rtol=0)
+    need = [-(-n // 4) for n in lens]
+    block_ids = torch.cat([tables[b, : need[b]] for b in range(len(lens))]).long()  # [P]
+    block_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(need))  # [P]
+    first_pos = torch.cat([torch.arange(n) * 4 for n in need])  # [P] position of each block's first slot
+    valid = first_pos[:, None] + torch.arange(4)[None, :] < ctx.long()[block_row][:, None]  # [P, bs]
+    paged = paged_decode_attention(q, k_pool, v_pool, block_ids, block_row, valid)
+    torch.testing.assert_close(out, paged, atol=1e-5, rtol=0)
+
+
+def test_reference_matches_padded_decode_attention():
+    q, k_pool, v_pool, tables, lens = random_decode_batch([3, 9, 16], 8, 6, 2, 16, fill=0.0, seed=2)
+    ref = decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    torch.testing.assert_close(ref, padded_decode_attention(q, k_pool, v_pool, tables.long(), lens.long()))
+
+
+@needs_triton
+def test_padding_entries_are_never_read():
+    # a padding entry past the pool's end would fault, or read garbage, if the kernel ever followed it
+    q, k_pool, v_pool, tables, lens = random_decode_batch([1, 6, 17], 4, 4, 2, 16, seed=3)
+    need = (lens + 3) // 4
+    past_end = torch.arange(tables.shape[1])[None, :] >= need[:, None]  # [B, max_blocks]
+    tables = tables.masked_fill(past_end, k_pool.shape[0] + 10**6)
+    out = paged_decode_attention_triton(q, k_pool, v_pool, tables, lens)
+    ref = decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@needs_triton
+def test_empty_context_gives_zeros():
+    # a batch padded with empty rows (as a captured graph's batch is) gets zeros there, not NaN from 0/0
+    q, k_pool, v_pool, tables, lens = random_decode_batch([5, 0, 9], 4, 4, 4, 16, seed=4)
+    out = paged_decode_attention_triton(q, k_pool, v_pool, tables, lens)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@needs_triton
+def test_head_dim_not_a_power_of_two_and_a_sliced_query():
+    q, k_pool, v_pool, tables, lens = random_decode_batch([2, 11], 4, 6, 3, 24, seed=5)
+    q_big = torch.cat([torch.randn_like(q), q])  # [2B, Hq, D]: the decode rows follow other rows
+    out = paged_decode_attention_triton(q_big[2:], k_pool, v_pool, tables, lens)
+    ref = decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_bad_shapes_are_refused():
+    # checked before triton is needed: these hold with or without it
+    q, k_pool, v_pool, tables, lens = random_decode_batch([3], 4, 6, 4, 16, seed=6)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        paged_decode_attention_triton(q, k_pool, v_pool, tables, lens)
+    with pytest.raises(ValueError, match="head size"):
+        paged_decode_attention_triton(q[..., :8], k_pool, v_pool, tables, lens)
+    q, k_pool, v_pool, tables, lens = random_decode_batch([3], 4, 4, 2, 16, seed=6)
+    with pytest.raises(ValueError, match="contiguous"):
+        q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hq, D], D not contiguous
+        paged_decode_attention_triton(q_strided, k_pool, v_pool, tables, lens)
+
+
+def test_module_imports_without_triton():
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"  # as if triton were not installed
+        "from minivllm.triton_attention import HAS_TRITON, paged_decode_attention_triton as attend\n"
+        "from minivllm.triton_attention import random_decode_batch\n"
+        "assert not HAS_TRITON\n"
+        "try:\n"
+        "    attend(*random_decode_batch([3], 4, 2, 1, 8))\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "pip install triton" in res.stdout
+
+
+def test_empty_batch():
+    q, k_pool, v_pool, tables, lens = random_decode_batch([3], 4, 4, 2, 16, seed=7)
+    if HAS_TRITON:
+        out = paged_decode_attention_triton(q[:0], k_pool, v_pool, tables[:0], lens[:0])
+        assert out.shape == (0, 4, 16)
+    assert decode_attention_reference(q[:0], k_pool, v_pool, tables[:0], lens[:0]).shape == (0, 4, 16)
+
+
+COMPILE = """
+import os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minivllm.triton_attention import _paged_decode_kernel
+
+arch, dtype, G, D, BS = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:])
+sig = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+sig |= {"tables_ptr": "*i32", "lens_ptr": "*i32"}
+sig |= {name: "i32" for name in ("sq_b", "sq_h", "so_b", "so_h", "skv_n", "skv_t", "skv_h", "st_b")}
+sig["scale"] = "fp32"
+p2 = triton.next_power_of_2
+consts = dict(G=G, D=D, BS=BS, G_P=p2(G), D_P=p2(D), BS_P=p2(BS))
+sig |= {name: "constexpr" for name in consts}
+src = ASTSource(_paged_decode_kernel, sig, constexprs=consts)
+kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+    f.write(kernel.asm["cubin"])
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+os.unlink(f.name)
+print(re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage.stdout).group(0))
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("arch,dtype", [(75, "fp16"), (90, "bf16")], ids=["T4-fp16", "H200-bf16"])
+def test_kernel_compiles_for_a_gpu_without_one(arch, dtype):
+    # the interpreter runs Python, so it accepts code the compiler refuses. Compile to a cubin for a T4
+    # (sm_75) and an H200 (sm_90) with triton's own ptxas, at the bundled model's shapes (G=7, D=64, bs=16):
+    # no GPU is needed for that
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    cmd = [sys.executable, "-c", COMPILE, str(arch), dtype, "7", "64", "16"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    print(res.stdout)
+    assert "LOCAL:0" in res.stdout, f"registers spill to local memory: {res.stdout}"
