@@ -2,8 +2,9 @@
 
 A real uvicorn server in a background thread, driven by the official `openai` client and by raw httpx: chat and
 completions, streamed and not, SSE framing, stop strings with multi-byte characters, seeded sampling, `n`,
-logprobs, every bad input of the issue (4xx with an OpenAI-style error, never a 500, no block leaked), the API
-key, clients that hang up (blocks back at once), 64 concurrent streaming clients, and the command line.
+logprobs, every bad input (4xx with an OpenAI-style error, never a 500, no block leaked), the API key, clients that
+hang up (blocks back at once), 64 concurrent streaming clients, the bounded queue's bookkeeping, and the command
+line. Faults, overload and shutdown are in test_server_faults.py; a two-minute soak in test_server_soak.py.
 Fast tests use a tiny random model; those marked `slow` serve the bundled Qwen2.5-Coder-0.5B.
 """
 import asyncio, json, os, re, subprocess, sys, tempfile, time
@@ -444,8 +445,25 @@ def test_help_explains_every_flag():
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 0, out.stderr
     for flag in ["--model", "--host", "--port", "--dtype", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--max-model-len", "--served-model-name", "--api-key", "--kv-cache-memory-bytes", "--num-gpu-blocks-override"]:
+                 "--max-model-len", "--served-model-name", "--api-key", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
+                 "--max-num-queued-reqs", "--max-num-queued-tokens", "--shutdown-timeout", "--limit-concurrency",
+                 "--request-body-timeout", "--max-request-body-bytes"]:
         assert flag in out.stdout, flag
+
+
+def test_server_flags_write_no_engine_default():
+    "The engine's flags come from EngineArgs: their defaults are the dataclass's, and every field has a flag."
+    import dataclasses
+    from minivllm.engine import EngineArgs
+    from minivllm.server import arg_parser
+    ns = arg_parser().parse_args([])
+    assert EngineArgs.from_cli_args(ns) == EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        if f.metadata.get("cli", True):
+            assert hasattr(ns, f.name), f.name
+    src = (ROOT / "minivllm" / "server.py").read_text()
+    for flag in ["--max-num-seqs", "--block-size", "--max-num-batched-tokens", "--gpu-memory-utilization"]:
+        assert f'"{flag}"' not in src, flag
 
 
 def test_command_line_serves_a_model_folder(tiny_folder):
@@ -514,3 +532,45 @@ def test_cached_prompt_tokens_are_reported_in_usage(client):
                                             stream_options={"include_usage": True})
     last = list(stream)[-1]
     assert last.usage.prompt_tokens_details.cached_tokens >= len(system) // 2
+
+
+def test_tiny_temperatures_are_greedy(client):
+    "Below 1e-5 a temperature is greedy (vLLM's rule): 1e-45 gives temperature 0's text, not token 0 over and over."
+    kw = dict(model="tiny", prompt="Greedy or not", max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for t in [1e-45, 1e-9, 9e-6]:
+        assert client.completions.create(temperature=t, **kw).choices[0].text == greedy, t
+
+
+def test_tokenize_is_capped_like_prompts(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "x" * 600})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "x" * 5_000_000}, timeout=30)
+    assert r.status_code == 413   # above this server's 1 MiB body cap
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x" * 500}).json()["count"] == 500
+
+
+def test_a_body_labelled_otherwise_than_json_gets_415(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"prompt=hi",
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}')  # no label: JSON
+    assert r.status_code == 200
+
+
+def test_the_queue_is_given_back(server, client):
+    "After requests of every kind (done, streamed, left, bad), the queue's gauges are back to zero."
+    client.completions.create(model="tiny", prompt=["a", "b"], n=3, max_tokens=4)
+    list(client.completions.create(model="tiny", prompt="s", max_tokens=4, stream=True))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 400, "ignore_eos": True},
+                   timeout=0.3)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        m = metrics(server.url)
+        queue = (m["minivllm:num_queued_sequences"], m["minivllm:num_queued_prompt_tokens"],
+                 m["minivllm:num_requests_in_flight"])
+        if queue == (0, 0, 0):
+            break
+        time.sleep(0.05)
+    assert queue == (0, 0, 0)
