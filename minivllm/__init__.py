@@ -9,7 +9,7 @@ __all__ = []
 # %% ../nbs/00_package.ipynb #f8de0ac4
 import importlib
 
-# Loaded on first use (PEP 562), so that `python -m minivllm.engine` or `python -m minivllm.server` does not import
+# Loaded on first use (PEP 562), so that `python -m minivllm.engine` (or `.server`) does not import
 # its own module twice through the package, and `import minivllm` stays light.
 _HOMES = {
     "LLM": "minivllm.engine",

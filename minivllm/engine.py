@@ -16,6 +16,7 @@ from fastcore.basics import patch
 
 from .paged_cache import BlockManager, KVCache, PagedBatch, num_kv_blocks_for
 from .qwen2 import Qwen2ForCausalLM, Tokenizer, load_model
+from .structured import GrammarState, StructuredOutputs, apply_grammar_masks
 from minivllm.scheduler import (
     SamplingError,
     SamplingParams,
@@ -316,6 +317,7 @@ class _SequenceText:
     emitted_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    grammar: GrammarState | None = None  # where a constrained sequence is in its grammar (04b)
 
 
 @dataclass(eq=False)
@@ -430,6 +432,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.cache, self.block_manager)
         self.sampler = Sampler(a.seed, w.device)
+        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size)  # compiles grammars on first use
         self.requests: dict[str, _Request] = {}
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
@@ -507,7 +510,10 @@ def add_request(
     request_id = request_id or uuid.uuid4().hex
     if request_id in self.requests:
         raise ValueError(f"request id {request_id!r} is already in use")
+    grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
     texts = [self._new_sequence(request_id, ids, params, i) for i in range(params.n)]
+    for t in texts:
+        t.grammar = self.structured.matcher(grammar) if grammar is not None else None
     seqs = [t.seq for t in texts]
     if len(seqs) <= self.scheduler.config.max_num_seqs:
         seqs[0].forks = seqs[1:]  # one prompt computed, n - 1 forks
@@ -579,6 +585,11 @@ def _sample(
         logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]  # [S + forks, V]
     order = [s for _, s in rows]
     texts = [self.seq_texts[s.seq_id] for s in order]
+    if any(
+        t.grammar is not None for t in texts
+    ):  # constrained rows: -inf where their grammar forbids a token
+        logits = logits.clone()
+        apply_grammar_masks(logits, [t.grammar for t in texts])
     tokens, lps = self.sampler(logits, order, [t.generator for t in texts], self.eos_ids)
     sampled, failed = [], []
     for seq, text, token, lp in zip(order, texts, tokens, lps):
@@ -594,8 +605,14 @@ def _sample(
 # %% ../nbs/04_engine.ipynb #007ff4ee
 @patch
 def _add_text(self: LLMEngine, st: _SequenceText) -> None:
-    "Detokenize a sequence's new token and apply its stop strings."
+    "Advance the sequence's grammar, detokenize its new token and apply its stop strings."
     seq, p = st.seq, st.seq.params
+    if st.grammar is not None and not st.grammar.accept(seq.token_ids[-1]):
+        raise RuntimeError(f"token {seq.token_ids[-1]} was sampled although its grammar forbids it")
+    if st.grammar is not None and st.grammar.is_finished and not seq.is_finished:
+        self.scheduler.finish(
+            seq, "stop"
+        )  # the grammar has ended (with its stop token): so does the sequence
     if seq.finish_reason == "stop":  # ended by a stop token: its text is not part of the output
         return
     new, st.prefix_offset, st.read_offset = detokenize_incrementally(
@@ -644,8 +661,8 @@ def _outputs(
         self.generation_tokens += 1
         try:
             self._add_text(self.seq_texts[seq.seq_id])
-        except Exception as e:  # a tokenizer that cannot decode this request's tokens
-            self._fail(req, f"detokenizing failed: {type(e).__name__}: {e}")
+        except Exception as e:  # its grammar or the tokenizer failed on this request's tokens
+            self._fail(req, f"its output could not be processed: {type(e).__name__}: {e}")
     return [self._output(r) for r in touched.values()]
 
 # %% ../nbs/04_engine.ipynb #780fc266

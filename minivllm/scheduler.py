@@ -8,12 +8,16 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+import typing
 from collections import deque
 from dataclasses import dataclass, field
 
 from fastcore.basics import patch
 
 from .paged_cache import BlockManager, BlockTable
+
+if typing.TYPE_CHECKING:
+    from minivllm.structured import StructuredOutputsParams
 
 # %% auto #0
 __all__ = ['GREEDY_TEMPERATURE', 'SamplingError', 'SamplingParams', 'SequenceStatus', 'Sequence', 'RequestTooLong',
@@ -51,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token (0: just the chosen one)
     seed: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar (04b)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -151,6 +156,10 @@ def validate(self: SamplingParams, max_n: int = 16, max_logprobs: int = 20) -> S
     for param, ok, message in _range_rules(self, max_n) + _stop_rules(self, max_logprobs):
         if not ok:
             raise SamplingError(f"{param} {message}", param)
+    if self.structured_outputs is not None:
+        if self.min_tokens:  # it would forbid the end of sequence after the grammar has ended: nothing left
+            raise SamplingError("min_tokens cannot be combined with structured_outputs", "min_tokens")
+        self.structured_outputs.validate()
     return self
 
 # %% ../nbs/03_scheduler.ipynb #1d042ab1

@@ -811,3 +811,47 @@ def test_tiny_temperatures_are_greedy(tiny):
     for t in (1e-45, 1e-6):
         got = tokens(L.generate(["a", "b"], SamplingParams(temperature=t, max_tokens=8, ignore_eos=True), use_tqdm=False))
         assert got == ref
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Structured outputs through the engine (the grammar's mask in the sampler, its state advanced after each token)
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_outputs_parse_and_leave_other_requests_unchanged(tiny):
+    from minivllm.structured import StructuredOutputsParams
+    L = llm(tiny)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = tokens(L.generate(["free text", "more free text"], plain, use_tqdm=False))
+    json_sp = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    seeded = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
+    outs = L.generate(["free text", "give json", "more free text", "pick one"], [plain, json_sp, plain, seeded],
+                      use_tqdm=False)
+    assert tokens([outs[0], outs[2]]) == alone                    # unconstrained rows: identical tokens
+    obj = json.loads(outs[1].outputs[0].text)
+    assert set(obj) == {"name", "age"} and 0 <= obj["age"] <= 120 and outs[1].outputs[0].finish_reason == "stop"
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in outs[3].outputs)
+    assert blocks_in_use(L.engine) == 0
+
+
+def test_structured_outputs_bad_input_is_refused_before_anything_is_queued(tiny):
+    from minivllm.structured import StructuredOutputError, StructuredOutputsParams
+    eng = engine(tiny)
+    with pytest.raises(StructuredOutputError):
+        eng.add_request("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed")))
+    with pytest.raises(StructuredOutputError):
+        eng.add_request("x", SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA, regex="a+")))
+    with pytest.raises(SamplingError, match="min_tokens"):
+        eng.add_request("x", SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert not eng.has_unfinished_requests() and blocks_in_use(eng) == 0
+
+
+def test_structured_output_cut_by_max_tokens_is_length(tiny):
+    from minivllm.structured import StructuredOutputsParams
+    sp = SamplingParams(temperature=0, max_tokens=3, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    out = llm(tiny).generate("json please", sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3 and out.text.startswith("{")
