@@ -225,12 +225,13 @@ def __call__(
 ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
     "logits: [B, V] float32 -> (token per row, None where not finite; logprobs per row or None)."
     tokens: list[int | None] = [None] * len(seqs)
-    plain = [i for i, s in enumerate(seqs) if _argmax_only(s)]
+    only_argmax = [_argmax_only(s) for s in seqs]
+    plain = [i for i, f in enumerate(only_argmax) if f]
     if plain:
         best, idx = (logits if len(plain) == len(seqs) else logits[plain]).max(-1)  # [P], [P]
         for i, ok, t in zip(plain, torch.isfinite(best).tolist(), idx.tolist()):
             tokens[i] = t if ok else None
-    rest = [i for i, s in enumerate(seqs) if not _argmax_only(s)]
+    rest = [i for i, f in enumerate(only_argmax) if not f]
     work = logits.clone() if rest else logits
     for i in rest:
         tokens[i] = self._sample_row(work[i], seqs[i], generators[i], eos_ids)

@@ -46,7 +46,7 @@ def main() -> int:
         where = f"{Path(f['filename']).relative_to(ROOT)}:{f['location']['row']}"
         print(f"{where}: {f['code']} {f['message']}", file=sys.stderr)
     if found:
-        print(f"{len(found)} line(s) break the package's line rules (see STYLE.md)", file=sys.stderr)
+        print(f"{len(found)} line(s) break the package's line rules (one statement per line, lines under 110 characters)", file=sys.stderr)
     return 1 if found else 0
 
 
