@@ -88,6 +88,10 @@ class EngineArgs:
     )
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")
+    tensor_parallel_size: int = _opt(1, "ranks the model is split over (gloo on CPU, NCCL on CUDA)")
+    quantization: str | None = _opt(
+        None, "weight-only quantization of the linear layers at load: int8 or int4 (default: none)"
+    )
     seed: int = _opt(0, "seed of the sampler for requests without one")
     log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
 
@@ -442,7 +446,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         "Load `args.model` (in `args.dtype` on `args.device`) and build the engine around it."
-        model, tokenizer = load_model(args.model, args.dtype, args.device)
+        model, tokenizer = load_model(args.model, args.dtype, args.device, quantization=args.quantization)
         return cls(model, tokenizer, args)
 
     @property

@@ -1059,9 +1059,15 @@ def resolve_model(model: str | Path | None = None) -> Path:
 
 # %% ../nbs/01_qwen2.ipynb #004e4289
 def load_model(
-    model: str | Path | None = None, dtype=None, device=None, pack: bool | None = None
+    model: str | Path | None = None,
+    dtype=None,
+    device=None,
+    pack: bool | None = None,
+    quantization: str | None = None,
 ) -> tuple[Qwen2ForCausalLM, Tokenizer]:
     "Model and tokenizer for `model` (see `resolve_model`); `pack`: oneDNN weights (None: where supported)."
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} unknown: use int8 or int4")
     path = resolve_model(model)
     if path.is_file():
         if path.suffix != ".gguf":
