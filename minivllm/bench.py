@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
 import json
+import logging
 import os
 import platform
 import random
+import re
 import statistics
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,13 +28,16 @@ import torch
 from fastcore.basics import patch
 
 from .engine import EngineArgs, LLMEngine, SamplingParams
-from .qwen2 import Qwen2ForCausalLM, Tokenizer, load_model
+from .qwen2 import Qwen2ForCausalLM, Tokenizer, assemble_bundled_gguf, load_model, resolve_model
 
 # %% auto #0
-__all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'machine_info', 'describe_machine', 'results_dir', 'load_result',
-           'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'offline_benchmark', 'print_table', 'decode_profile',
-           'memory_bandwidth', 'decode_bytes_per_step', 'serve_benchmark', 'print_serving', 'server_process',
-           'compare_servers', 'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
+__all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
+           'results_dir', 'load_result', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'offline_benchmark',
+           'print_table', 'decode_profile', 'memory_bandwidth', 'decode_bytes_per_step', 'serve_benchmark',
+           'print_serving', 'server_process', 'compare_servers', 'Mode', 'parse_mode', 'Clock', 'kernel_info',
+           'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd', 'ours_server_cmd', 'engine_flags',
+           'ServerRun', 'serve_runs', 'cpu_summary', 'print_cpu_summary', 'shared_prefix_benchmark',
+           'long_prompt_benchmark', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #ac1e0a3a
 CPU_FLAGS = (
@@ -537,17 +546,20 @@ def print_serving(res: dict) -> None:
 
 # %% ../nbs/06_benchmarks.ipynb #ae2e3ad3
 @contextmanager
-def server_process(cmd: list[str], base_url: str, timeout: float = 900.0):
-    "Run a server command; yield the model name its `/v1/models` lists once it answers; stop it on exit."
+def server_process(cmd: list[str], base_url: str, timeout: float = 900.0, log: Path | None = None):
+    "Run a server command (its output to `log`, if given); yield the model name `/v1/models` lists; stop it."
     import subprocess
     import httpx
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
     try:
         t0 = time.monotonic()
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before answering")
+                last = Path(log).read_text().strip().splitlines()[-1:] if log else []
+                why = f": {last[0]}" if last else ""
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before answering{why}")
             try:
                 r = httpx.get(base_url.rstrip("/") + "/models", timeout=5)
                 if r.status_code == 200:
@@ -565,20 +577,30 @@ def server_process(cmd: list[str], base_url: str, timeout: float = 900.0):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log:
+            out.close()
 
 # %% ../nbs/06_benchmarks.ipynb #7b195032
+def _log_path(log_dir: Path | None, name: str) -> Path | None:
+    "The file a server named `name` logs to in `log_dir` (None: no log)."
+    return Path(log_dir) / (re.sub(r"[^\w.-]+", "_", name) + ".log") if log_dir else None
+
+
 def compare_servers(
     servers: dict[str, tuple[list[str], str]], concurrencies=(1, 16), num_prompts=None, seed: int = 0,
-    min_tokens: int = 16, max_tokens: int = 128,
+    min_tokens: int = 16, max_tokens: int = 128, log_dir: Path | None = None, say=None,
+    warmup_tokens: int = 4,
 ) -> list[dict]:  # fmt: skip
     "servers: name -> (command, base URL). `serve_benchmark` on each, `num_prompts(c)` prompts at each c."
     rng = random.Random(seed)
     num_prompts = num_prompts or (lambda c: max(4, 2 * c))
     prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(max(map(num_prompts, concurrencies)))]
-    lens = [rng.randint(min_tokens, max_tokens) for _ in prompts]
+    lens = [rng.randint(min_tokens, max_tokens) for _ in prompts]  # the same first lengths for any count
     rows = []
     for name, (cmd, url) in servers.items():
-        with server_process(cmd, url) as model:
+        with server_process(cmd, url, log=_log_path(log_dir, name)) as model:
+            if warmup_tokens:  # one untimed request first: first calls pay for setting up kernels
+                serve_benchmark(url, model, prompts[:1], [warmup_tokens], max_concurrency=1, progress=False)
             for c in concurrencies:
                 n = num_prompts(c)
                 res = serve_benchmark(
@@ -587,7 +609,328 @@ def compare_servers(
                 rows.append(
                     {"server": name, "concurrency": c, "prompts": n, "requested_tokens": sum(lens[:n]), **res}
                 )
+                if say:
+                    tput = f"{res['output_throughput']:7.1f} tok/s"
+                    say(f"  {name} c={c:<3} {tput}, {res['completed']}/{n} done")
     return rows
+
+# %% ../nbs/06_benchmarks.ipynb #14e90a47
+CPU_MODES = ("float32", "bfloat16", "int8", "int4")
+
+
+@dataclass
+class Mode:
+    "One way to run our engine: its name, the activation dtype and the weights' quantization."
+
+    name: str
+    dtype: str  # float32, bfloat16, or auto: bfloat16 where the CPU computes it in hardware
+    quantization: str | None = None
+
+
+def parse_mode(spec: str) -> Mode:
+    "`float32`, `bfloat16`, `int8` (activations in dtype auto) or `int8/float32` (weights/activations)."
+    weights, _, acts = spec.partition("/")
+    if weights in ("int8", "int4"):
+        return Mode(spec, acts or "auto", weights)
+    if acts:
+        raise ValueError(f"mode {spec!r}: only int8 or int4 weights take an activation dtype after a slash")
+    return Mode(spec, weights)
+
+# %% ../nbs/06_benchmarks.ipynb #ebc07614
+class Clock:
+    "Time since a run started, and progress lines stamped with it."
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        "Seconds since the start."
+        return time.monotonic() - self.t0
+
+    def say(self, msg: str) -> None:
+        "Print `msg` after the elapsed minutes and seconds, at once."
+        m, s = divmod(int(self.elapsed()), 60)
+        print(f"[{m:3d}:{s:02d}] {msg}", flush=True)
+
+# %% ../nbs/06_benchmarks.ipynb #387f02c2
+def kernel_info() -> dict:
+    "What torch runs on this CPU: its vectorized kernels' ISA, oneDNN's version, bfloat16 in oneDNN, MKL."
+    config = torch.__config__.show()
+    onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
+    return {
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn": onednn.group(1) if onednn else None,
+        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "mkl": torch.backends.mkl.is_available(),
+    }
+
+
+class _ListHandler(logging.Handler):
+    "A logging handler that keeps each message in a list."
+
+    def __init__(self, lines: list[str]):
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def captured_logs(name: str = "minivllm"):
+    "Yield a list that collects the INFO (and above) messages of logger `name` and its children meanwhile."
+    lines: list[str] = []
+    logger, handler = logging.getLogger(name), _ListHandler(lines)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+# %% ../nbs/06_benchmarks.ipynb #317fd932
+def _dtype_name(dtype: torch.dtype) -> str:
+    "'float32' for torch.float32."
+    return str(dtype).removeprefix("torch.")
+
+
+def _load_mode(model: str | None, mode: Mode) -> tuple[Qwen2ForCausalLM, Tokenizer, dict]:
+    "Our model in `mode`, its tokenizer, and a record of the load: seconds, the dtype it got, what it logged."
+    with captured_logs() as lines:
+        t0 = time.perf_counter()
+        m, tok = load_model(model, mode.dtype, quantization=mode.quantization)
+        seconds = time.perf_counter() - t0
+    dtype = _dtype_name(m.model.norm.weight.dtype)  # norms are never quantized: the activations' dtype
+    rec = {
+        "mode": mode.name,
+        "dtype": dtype,
+        "quantization": mode.quantization,
+        "load_s": seconds,
+        "log": lines,
+    }
+    return m, tok, rec
+
+# %% ../nbs/06_benchmarks.ipynb #8fb158f6
+def _warmup(reqs: dict[int, list[BenchRequest]]) -> list[BenchRequest]:
+    "One short request, run untimed before the timed ones: first calls pay for setting up kernels."
+    return [BenchRequest(next(iter(reqs.values()))[0].prompt_token_ids, 4)]
+
+
+def _hf_model(path: Path, dtype: torch.dtype):
+    "transformers' model of `path` (a folder, or a .gguf file it dequantizes) in `dtype`."
+    from transformers import AutoModelForCausalLM
+
+    if path.is_file():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _hf_runs(path: Path, dtype: str, reqs: dict[int, list[BenchRequest]], pad_id: int) -> dict[int, dict]:
+    "transformers in `dtype` on the requests of each concurrency, after one short request to warm up."
+    hf = _hf_model(path, getattr(torch, dtype))
+    run_hf(hf, _warmup(reqs), 1, pad_id)
+    runs = {c: run_hf(hf, r, c, pad_id) for c, r in reqs.items()}
+    del hf
+    gc.collect()
+    return runs
+
+# %% ../nbs/06_benchmarks.ipynb #a2a3dcde
+def prefix_share(a: list[list[int]], b: list[list[int]]) -> float:
+    "Share of the tokens of `a` before the first token where `a` and `b` differ, request by request."
+    same = 0
+    for x, y in zip(a, b):
+        same += next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return same / max(sum(map(len, a)), 1)
+
+# %% ../nbs/06_benchmarks.ipynb #17858c68
+def _offline_mode(
+    m: Qwen2ForCausalLM, tok: Tokenizer, rec: dict, reqs: dict[int, list[BenchRequest]], hf: dict[int, dict],
+    ref: dict[int, list], say=print, **engine_kw,
+) -> tuple[list[dict], dict[int, list]]:  # fmt: skip
+    "Rows of one mode against transformers (`hf[c]`) and our float32 outputs (`ref[c]`), and its own outputs."
+    rows, outputs = [], {}
+    run_ours(m, tok, _warmup(reqs), 1, **engine_kw)
+    for c, rs in reqs.items():
+        ours = run_ours(m, tok, rs, c, **engine_kw)
+        row = _offline_row(c, rs, ours, hf[c], m.model.norm.weight.dtype)
+        row.update(mode=rec["mode"], quantization=rec["quantization"])
+        if c in ref:
+            row["same_as_float32"] = sum(a == b for a, b in zip(ours["outputs"], ref[c]))
+            row["float32_prefix_share"] = prefix_share(ours["outputs"], ref[c])
+        say(f"  c={c:<3} ours {row['ours_tok_s']:7.1f} tok/s, transformers {row['hf_tok_s']:7.1f} tok/s: "
+            f"{row['speedup']:.2f}x, identical {row['identical']}/{row['requests']}")  # fmt: skip
+        rows.append(row)
+        outputs[c] = ours["outputs"]
+    return rows, outputs
+
+# %% ../nbs/06_benchmarks.ipynb #e400b85d
+def _pad_id(tok: Tokenizer) -> int:
+    "The tokenizer's padding token id (0 where it has none)."
+    return tok.tok.token_to_id(tok.pad_token) if tok.pad_token else 0
+
+
+def offline_modes(
+    model: str | None, modes: list[Mode], num_requests: dict[int, int], seed: int = 0, min_tokens: int = 8,
+    max_tokens: int = 64, say=print, **engine_kw,
+) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    "Each mode against transformers in its activation dtype, `num_requests[c]` at each c: (records, rows)."
+    path, hf, ref, records, rows = resolve_model(model), {}, {}, [], []
+    for mode in modes:
+        try:
+            m, tok, rec = _load_mode(model, mode)
+            say(f"ours {mode.name}: {rec['dtype']} activations, loaded in {rec['load_s']:.1f} s")
+            reqs = {c: make_requests(tok, n, seed, min_tokens, max_tokens) for c, n in num_requests.items()}
+            if rec["dtype"] not in hf:
+                say(f"transformers {rec['dtype']}: loading and running every concurrency")
+                hf[rec["dtype"]] = _hf_runs(path, rec["dtype"], reqs, _pad_id(tok))
+            got, outputs = _offline_mode(m, tok, rec, reqs, hf[rec["dtype"]], ref, say, **engine_kw)
+        except Exception as e:  # this mode cannot run here: recorded, and the others still run
+            rec = {"mode": mode.name, "dtype": mode.dtype, "quantization": mode.quantization}
+            rec["error"] = f"{type(e).__name__}: {e}"
+            say(f"ours {mode.name}: not run, {rec['error']}")
+            got, outputs = [], {}
+        records.append(rec)
+        rows += got
+        if mode.name == "float32":
+            ref = outputs
+        m = None  # free this mode's weights before the next loads
+        gc.collect()
+    return records, rows
+
+# %% ../nbs/06_benchmarks.ipynb #2cf06c6c
+def llama_server_cmd(
+    binary: str, gguf: Path, port: int, slots: int, ctx_per_slot: int = 512, threads: int = 2
+) -> list[str]:
+    "llama-server on `gguf`: `threads` threads, `slots` slots of `ctx_per_slot` tokens, continuous batching."
+    where = ["-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-lv", "4"]
+    threads_ = ["-t", str(threads), "-tb", str(threads)]  # generation, and prompts
+    slots_ = ["-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb"]  # -c: the context of all slots
+    return [binary, *where, *threads_, *slots_]
+
+
+def ours_server_cmd(mode: Mode, port: int, flags: list[str] = ()) -> list[str]:
+    "Our server in `mode` on `port`, with more engine flags."
+    quant = ["--quantization", mode.quantization] if mode.quantization else []
+    cmd = [sys.executable, "-m", "minivllm.server", "--port", str(port), "--uvicorn-log-level", "warning"]
+    return [*cmd, "--dtype", mode.dtype, *quant, *flags]
+
+
+def engine_flags(args: EngineArgs, skip=("dtype", "quantization")) -> list[str]:
+    "The flags of the fields of `args` that differ from their defaults (but those in `skip`)."
+    out = []
+    for f in dataclasses.fields(args):
+        v = getattr(args, f.name)
+        if f.name in skip or not f.metadata.get("cli", True) or v == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
+
+# %% ../nbs/06_benchmarks.ipynb #a8f259f9
+@dataclass
+class ServerRun:
+    "One server to start, the concurrencies to measure it at, and fields for each of its rows."
+
+    name: str
+    cmd: list[str]
+    url: str
+    concurrencies: list[int]
+    fields: dict
+
+
+# our loggers' INFO lines (start-up); llama.cpp's CPU features, repacked weights and slots (at -lv 4)
+LOG_PATTERNS = (r"INFO .*\bminivllm(\.\w+)?: ", r"system_info", r"CPU_REPACK model", r"n_slots")
+
+
+def _log_lines(log: Path | None, patterns=LOG_PATTERNS, limit: int = 30) -> list[str]:
+    "The first `limit` lines of a server's log that match one of `patterns`."
+    if log is None or not log.is_file():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    return [ln.strip() for ln in lines if any(re.search(p, ln) for p in patterns)][:limit]
+
+# %% ../nbs/06_benchmarks.ipynb #57c11508
+def serve_runs(
+    runs: list[ServerRun], num_prompts: dict[int, int], seed: int = 0, min_tokens: int = 16,
+    max_tokens: int = 128, log_dir: Path | None = None, say=print,
+) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    "Each run through `compare_servers`, `num_prompts[c]` prompts at c: (server records, rows)."
+    records, rows = [], []
+    for run in runs:
+        say(f"{run.name}: starting")
+        t0, work = time.monotonic(), (run.concurrencies, num_prompts.get, seed, min_tokens, max_tokens)
+        rec = {"server": run.name, **run.fields}
+        try:
+            got = compare_servers({run.name: (run.cmd, run.url)}, *work, log_dir=log_dir, say=say)
+        except Exception as e:  # this server cannot run here: recorded, and the others still run
+            got, rec["error"] = [], f"{type(e).__name__}: {e}"
+            say(f"{run.name}: not run, {rec['error']}")
+        rec.update(seconds=time.monotonic() - t0, log=_log_lines(_log_path(log_dir, run.name)))
+        records.append(rec)
+        rows += [{**r, **run.fields} for r in got]
+    return records, rows
+
+# %% ../nbs/06_benchmarks.ipynb #b76d52f5
+def _best_llama(serving: list[dict]) -> dict[int, dict]:
+    "llama.cpp's row with the most output tokens/s at each concurrency (its best slot setting there)."
+    best: dict[int, dict] = {}
+    for r in serving:
+        c, tput = r["concurrency"], r["output_throughput"]
+        if r["engine"] == "llama.cpp" and tput > best.get(c, {}).get("output_throughput", 0):
+            best[c] = r
+    return dict(sorted(best.items()))
+
+
+def cpu_summary(res: dict) -> list[dict]:
+    "Per mode and concurrency: ours/transformers offline, our server/llama-server (its best slots) served."
+    off = {(r["mode"], r["concurrency"]): r for r in res["offline"]}
+    ours = {(r["mode"], r["concurrency"]): r for r in res["serving"] if r["engine"] == "mini-vLLM"}
+    llama = _best_llama(res["serving"])
+    cs = sorted({c for _, c in [*off, *ours]})
+    out = []
+    for mode in dict.fromkeys(m["mode"] for m in res["modes"]):
+        for c in cs:
+            o, s, ll = off.get((mode, c), {}), ours.get((mode, c), {}), llama.get(c, {})
+            row = {
+                "mode": mode,
+                "concurrency": c,
+                "ours_tok_s": o.get("ours_tok_s"),
+                "hf_tok_s": o.get("hf_tok_s"),
+            }
+            row.update(vs_hf=o.get("speedup"), identical=o.get("identical"), requests=o.get("requests"))
+            row.update(served_tok_s=s.get("output_throughput"), llama_tok_s=ll.get("output_throughput"))
+            row.update(llama_slots=ll.get("slots"), same_as_float32=o.get("float32_prefix_share"))
+            both = s and ll
+            row["vs_llama"] = s["output_throughput"] / ll["output_throughput"] if both else None
+            out.append(row)
+    return out
+
+# %% ../nbs/06_benchmarks.ipynb #35c8d06b
+def _fmt(v, spec: str, width: int) -> str:
+    "`v` formatted with `spec`, right-aligned in `width`; a dash for None."
+    return f"{'-' if v is None else format(v, spec):>{width}}"
+
+
+def print_cpu_summary(res: dict) -> None:
+    "The side-by-side table of `cpu_summary`, tokens/s and ratios."
+    head = ("mode", "c", "ours", "HF", "x HF", "identical", "as f32", "served", "llama", "-np", "x llama")
+    widths = (15, 4, 8, 8, 7, 10, 7, 8, 8, 4, 8)
+    print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(head, widths))))
+    for r in cpu_summary(res):
+        same = None if r["identical"] is None else f"{r['identical']}/{r['requests']}"
+        cells = [
+            _fmt(r["concurrency"], "d", 4), _fmt(r["ours_tok_s"], ".1f", 8), _fmt(r["hf_tok_s"], ".1f", 8),
+            _fmt(r["vs_hf"], ".2f", 6) + ("x" if r["vs_hf"] else " "), _fmt(same, "", 10),
+            _fmt(r["same_as_float32"], ".2f", 7), _fmt(r["served_tok_s"], ".1f", 8),
+            _fmt(r["llama_tok_s"], ".1f", 8), _fmt(r["llama_slots"], "d", 4),
+            _fmt(r["vs_llama"], ".2f", 7) + ("x" if r["vs_llama"] else " "),
+        ]  # fmt: skip
+        print(f"{r['mode']:<15}" + "".join(cells))
 
 # %% ../nbs/06_benchmarks.ipynb #b55aa6f2
 def _shared_prefix_prompts(tokenizer: Tokenizer, system_tokens: int, users: int) -> list[str]:
@@ -718,12 +1061,47 @@ def _model_parsers(sub) -> None:
     for p in (off, prf, fea):
         p.add_argument("--json", default=None, help="write the results and the machine here")
 
+# %% ../nbs/06_benchmarks.ipynb #36fa7fe6
+def _cpu_parser(sub) -> None:
+    "The `cpu` subcommand's flags: the modes, the sizes per concurrency, llama-server, where to write."
+    cpu = sub.add_parser(
+        "cpu", help="every mode against transformers and llama-server", conflict_handler="resolve"
+    )
+    EngineArgs.add_cli_args(cpu)
+    cpu.add_argument(
+        "--modes", nargs="+", default=list(CPU_MODES), help="float32 bfloat16 int8 int4 int8/float32 ..."
+    )
+    cpu.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    cpu.add_argument(
+        "--offline-requests", type=int, nargs="+", default=[4, 32, 64], help="one per concurrency"
+    )
+    cpu.add_argument("--offline-tokens", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
+    cpu.add_argument("--serve-prompts", type=int, nargs="+", default=[4, 32, 64], help="one per concurrency")
+    cpu.add_argument("--serve-tokens", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    cpu.add_argument("--no-offline", dest="offline", action="store_false", help="serving only")
+    cpu.add_argument("--no-serving", dest="serving", action="store_false", help="offline only")
+    llama = os.environ.get("LLAMA_SERVER")
+    cpu.add_argument(
+        "--llama-server", default=llama, help="its binary (default: $LLAMA_SERVER; unset: skipped)"
+    )
+    cpu.add_argument("--llama-runs", nargs="+", default=None, help="SLOTS:CONCURRENCY (default: slots = c)")
+    cpu.add_argument(
+        "--gguf", default=None, help="the file llama-server serves (default: the bundled model's)"
+    )
+    cpu.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server's context per slot")
+    cpu.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama-server's threads")
+    cpu.add_argument("--seed", type=int, default=0, help="seed of the output lengths (and of the sampler)")
+    cpu.add_argument("--preliminary", action="store_true", help="mark the result as a smoke run, not figures")
+    cpu.add_argument("--log-dir", default=None, help="the servers' logs (default: a new temporary folder)")
+    cpu.add_argument("--json", default=None, help="write the results and the machine here")
+
 # %% ../nbs/06_benchmarks.ipynb #de11ecd8
 def _parser() -> argparse.ArgumentParser:
     "The command line: one subcommand per benchmark."
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _model_parsers(sub)
+    _cpu_parser(sub)
     srv = sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming completions")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="the served model's name (default: the first it lists)")
@@ -750,24 +1128,17 @@ def _write(a: argparse.Namespace, res: dict) -> None:
 def _load(a: argparse.Namespace) -> tuple[Qwen2ForCausalLM, Tokenizer, EngineArgs]:
     "The model `--model`, `--dtype` and `--device` name, its tokenizer, and the engine's flags."
     args = EngineArgs.from_cli_args(a)
-    model, tok = load_model(args.model, args.dtype, args.device)
+    model, tok = load_model(args.model, args.dtype, args.device, quantization=args.quantization)
     return model, tok, args
 
 
 def _offline(a: argparse.Namespace) -> dict:
     "Ours vs transformers, on the same model in the same dtype."
-    from transformers import AutoModelForCausalLM
-    from minivllm.qwen2 import resolve_model
-
     model, tok, args = _load(a)
-    path, dtype = resolve_model(a.model), model.lm_head.weight.dtype
-    if path.is_file():  # a .gguf file: transformers dequantizes it too
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    hf = _hf_model(resolve_model(a.model), model.model.norm.weight.dtype)
     per_c = (lambda c: a.num_requests) if a.num_requests else None
     workload = (a.concurrency, per_c, a.seed, a.min_tokens, a.max_tokens)
-    rows = offline_benchmark(model, tok, hf.eval(), *workload, args=args)
+    rows = offline_benchmark(model, tok, hf, *workload, args=args)
     print_table(rows)
     return {"rows": rows}
 
@@ -801,6 +1172,84 @@ def _features(a: argparse.Namespace) -> dict:
     print(json.dumps(res, indent=2))
     return res
 
+# %% ../nbs/06_benchmarks.ipynb #a583f37c
+def _per_concurrency(values: list[int], concurrency: list[int], flag: str) -> dict[int, int]:
+    "{c: n} from a flag's values: one per concurrency, or one for all."
+    values = values * len(concurrency) if len(values) == 1 else values
+    if len(values) != len(concurrency):
+        raise SystemExit(f"{flag}: give one value, or one per --concurrency ({len(concurrency)})")
+    return dict(zip(concurrency, values))
+
+
+def _free_port() -> int:
+    "A TCP port on the loopback that nothing listens on now."
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+# %% ../nbs/06_benchmarks.ipynb #f1d5c544
+def _server_runs(a: argparse.Namespace, modes: list[Mode], args: EngineArgs) -> list[ServerRun]:
+    "llama-server at each (slots, concurrencies) of `--llama-runs`, then our server in each mode."
+    runs, slots = [], {}
+    for spec in a.llama_runs or [f"{c}:{c}" for c in a.concurrency]:
+        n, c = map(int, spec.split(":"))
+        slots.setdefault(n, []).append(c)
+    gguf = (a.gguf or assemble_bundled_gguf()) if a.llama_server else None
+    for n, cs in slots.items():
+        if gguf is None:
+            break  # no llama-server given: ours only
+        port = _free_port()
+        cmd = llama_server_cmd(a.llama_server, gguf, port, n, a.ctx_per_slot, a.threads)
+        fields = {"engine": "llama.cpp", "slots": n, "threads": a.threads, "mode": None}
+        runs.append(ServerRun(f"llama.cpp -np {n}", cmd, f"http://127.0.0.1:{port}/v1", cs, fields))
+    for mode in modes:
+        port = _free_port()
+        cmd = ours_server_cmd(mode, port, engine_flags(args))
+        fields = {
+            "engine": "mini-vLLM",
+            "mode": mode.name,
+            "dtype": mode.dtype,
+            "quantization": mode.quantization,
+        }
+        runs.append(
+            ServerRun(f"mini-vLLM {mode.name}", cmd, f"http://127.0.0.1:{port}/v1", a.concurrency, fields)
+        )
+    return runs
+
+# %% ../nbs/06_benchmarks.ipynb #95d2fcc4
+def _cpu(a: argparse.Namespace) -> dict:
+    "Every mode against transformers (offline) and llama-server (served), with torch's kernels and timings."
+    clock, modes, args = Clock(), [parse_mode(m) for m in a.modes], EngineArgs.from_cli_args(a)
+    offline = _per_concurrency(a.offline_requests, a.concurrency, "--offline-requests")
+    serve = _per_concurrency(a.serve_prompts, a.concurrency, "--serve-prompts")
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="minivllm-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    start = os.getloadavg()
+    clock.say(f"load average {start[0]:.2f}; modes {a.modes}; servers' logs in {log_dir}")
+    records, rows = [{"mode": m.name, "dtype": m.dtype, "quantization": m.quantization} for m in modes], []
+    if a.offline:
+        records, rows = offline_modes(
+            args.model, modes, offline, a.seed, *a.offline_tokens, clock.say, args=args
+        )
+    t_offline = clock.elapsed()
+    servers, serving = [], []
+    if a.serving:
+        work = (serve, a.seed, *a.serve_tokens, log_dir, clock.say)
+        servers, serving = serve_runs(_server_runs(a, modes, args), *work)
+    clock.say(f"done; load average {os.getloadavg()[0]:.2f}")
+    return {
+        "preliminary": a.preliminary,
+        "kernels": kernel_info(),
+        "load_average": {"start": start, "end": os.getloadavg()},
+        "seconds": {"offline": t_offline, "serving": clock.elapsed() - t_offline, "total": clock.elapsed()},
+        "modes": records,
+        "offline": rows,
+        "servers": servers,
+        "serving": serving,
+    }
+
 # %% ../nbs/06_benchmarks.ipynb #f44e4278
 def _serve(a: argparse.Namespace) -> dict:
     "The serving benchmark against the server at `--base-url`."
@@ -823,7 +1272,9 @@ def main(argv: list[str] | None = None) -> None:
     "Command-line entry: offline, profile, features or serve; `--json` writes the results with the machine."
     a = _parser().parse_args(argv)
     print("machine:", describe_machine(machine_info()))
-    run = {"offline": _offline, "profile": _profile, "features": _features, "serve": _serve}[a.cmd]
+    run = {"offline": _offline, "profile": _profile, "features": _features, "serve": _serve, "cpu": _cpu}[
+        a.cmd
+    ]
     _write(a, run(a))
 
 # %% ../nbs/06_benchmarks.ipynb #fb359c23

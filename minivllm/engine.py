@@ -10,6 +10,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from fastcore.basics import patch
@@ -383,6 +384,9 @@ class ModelRunner:
             return hidden.new_zeros(0, 0)
         return self.model.compute_logits(hidden[torch.tensor(flat.sample_rows, device=self.device)])  # [S, V]
 
+    def shutdown(self) -> None:
+        "Release what the runner started: nothing here (07's tensor-parallel runner stops its workers)."
+
 # %% ../nbs/04_engine.ipynb #eecd385b
 @dataclass
 class EngineStats:
@@ -419,7 +423,13 @@ class LLMEngine:
     "Continuous batching over a paged KV cache: add requests, call step() until done."
 
     def __init__(
-        self, model: Qwen2ForCausalLM, tokenizer: Tokenizer, args: EngineArgs | None = None, **kwargs
+        self,
+        model: Qwen2ForCausalLM,
+        tokenizer: Tokenizer,
+        args: EngineArgs | None = None,
+        *,
+        runner_factory: Callable[..., ModelRunner] = ModelRunner,  # (model, cache, block_manager) -> runner
+        **kwargs,
     ):
         self.args = a = dataclasses.replace(args or EngineArgs(), **kwargs)
         self.model, self.tokenizer = model, tokenizer
@@ -435,7 +445,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self._scheduler_config(cfg.max_position_embeddings), self.block_manager, self.eos_ids
         )
-        self.runner = ModelRunner(model, self.cache, self.block_manager)
+        self.runner = runner_factory(model, self.cache, self.block_manager)
         self.sampler = Sampler(a.seed, w.device)
         self.structured = StructuredOutputs(tokenizer, cfg.vocab_size)  # compiles grammars on first use
         self.requests: dict[str, _Request] = {}
@@ -446,6 +456,10 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         "Load `args.model` (in `args.dtype` on `args.device`) and build the engine around it."
+        if args.tensor_parallel_size > 1:  # the model split over ranks: 07
+            from minivllm.parallel import launch_tensor_parallel
+
+            return launch_tensor_parallel(cls, args)
         model, tokenizer = load_model(args.model, args.dtype, args.device, quantization=args.quantization)
         return cls(model, tokenizer, args)
 
@@ -842,6 +856,38 @@ def chat(
         for c in convs
     ]
     return self.generate(prompts, sampling_params, use_tqdm)
+
+# %% ../nbs/04_engine.ipynb #8424d7a3
+@patch
+def shutdown(self: LLMEngine) -> None:
+    "Stop whatever the runner started (07's tensor-parallel workers); safe to call twice."
+    self.runner.shutdown()
+
+
+@patch
+def __enter__(self: LLMEngine) -> LLMEngine:
+    return self
+
+
+@patch
+def __exit__(self: LLMEngine, *exc) -> None:
+    self.shutdown()
+
+
+@patch
+def shutdown(self: LLM) -> None:
+    "Stop the engine's workers, if it has any."
+    self.llm_engine.shutdown()
+
+
+@patch
+def __enter__(self: LLM) -> LLM:
+    return self
+
+
+@patch
+def __exit__(self: LLM, *exc) -> None:
+    self.shutdown()
 
 # %% ../nbs/04_engine.ipynb #14c96eb2
 def main(argv: list[str] | None = None) -> None:

@@ -388,10 +388,14 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    "float32 on CPU, bfloat16 (or float16) on CUDA by default; float16 on CPU is refused."
+    "None: float32 on CPU; 'auto': bfloat16 where the CPU has it in hardware; CUDA: bfloat16 (or float16)."
     if dtype in (None, "auto"):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if dtype == "auto":
+            from minivllm.cpu_kernels import cpu_has_bf16  # imported here: cpu_kernels imports this module
+
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
         return torch.float32
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -1065,8 +1069,10 @@ def load_model(
     pack: bool | None = None,
     quantization: str | None = None,
 ) -> tuple[Qwen2ForCausalLM, Tokenizer]:
-    "Model and tokenizer for `model` (see `resolve_model`); `pack`: oneDNN weights (None: where supported)."
-    if quantization is not None:
+    "Model and tokenizer for `model`; CPU: kernels by measurement (`pack`: True oneDNN, False `nn.Linear`)."
+    from minivllm.cpu_kernels import QUANTIZATIONS, prepare_linears  # cpu_kernels imports this module
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} unknown: use int8 or int4")
     path = resolve_model(model)
     if path.is_file():
@@ -1077,9 +1083,11 @@ def load_model(
     else:
         m = load_safetensors_model(path, dtype, device)
         tok = Tokenizer.from_folder(path)
-    w = m.lm_head.weight
-    if pack is None:
-        pack = w.device.type == "cpu" and packing_supported(w.dtype)
-    if pack:
+    on_cpu = m.lm_head.weight.device.type == "cpu"
+    if quantization is not None and not on_cpu:
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only")
+    if on_cpu and (pack is None or quantization is not None):
+        prepare_linears(m, quantization, pack)
+    elif pack:
         pack_linears(m)
     return m, tok

@@ -41,19 +41,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .engine import EngineArgs, EngineStats, LLMEngine, Logprob, RequestOutput, parse_bytes
 from .qwen2 import ChatTemplateError, Tokenizer
 from .scheduler import RequestTooLong, SamplingError, SamplingParams
+from .structured import StructuredOutputError, StructuredOutputsParams
+from minivllm.tool_calls import (
+    ToolCallError,
+    ToolCallParser,
+    check_tools,
+    parse_tool_calls,
+    resolve_tool_choice,
+    tool_call_grammar,
+)
 
 log = logging.getLogger("minivllm.server")
 
 # %% auto #0
 __all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'BYTE_DECODER', 'APIError', 'server_error', 'shutting_down',
            'EngineMetrics', 'Admission', 'available_cores', 'AsyncEngine', 'Submission', 'StrictModel', 'StreamOptions',
-           'ContentPart', 'ChatMessage', 'SamplingRequest', 'ChatCompletionRequest', 'CompletionRequest',
-           'TokenizeRequest', 'DetokenizeRequest', 'error_param', 'parse_json', 'chat_prompt', 'check_token_ids',
+           'ContentPart', 'ChatMessage', 'JSONSchemaSpec', 'ResponseFormat', 'StructuredOutputsRequest',
+           'SamplingRequest', 'ChatCompletionRequest', 'CompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
+           'error_param', 'parse_json', 'output_constraint', 'template_tool_calls', 'chat_prompt', 'check_token_ids',
            'max_token_chars', 'too_long', 'PromptEncoder', 'check_prompt_lengths', 'check_max_tokens',
            'openai_sampling', 'sampling_params', 'token_bytes', 'chat_logprobs', 'completion_logprobs', 'sse', 'usage',
-           'ResponseBuilder', 'stream_error', 'SSEResponse', 'ClientGone', 'collect', 'RequestGuard', 'OpenAIServing',
-           'chat_top_logprobs', 'add_error_handlers', 'add_routes', 'build_app', 'BackgroundServer', 'GracefulServer',
-           'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine', 'log_engine', 'main']
+           'ResponseBuilder', 'tool_finish', 'stream_error', 'SSEResponse', 'ClientGone', 'collect', 'RequestGuard',
+           'OpenAIServing', 'chat_constraint', 'chat_top_logprobs', 'add_error_handlers', 'add_routes', 'build_app',
+           'BackgroundServer', 'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser',
+           'build_engine', 'log_engine', 'main']
 
 # %% ../nbs/05_server.ipynb #d635a04e
 class APIError(Exception):
@@ -285,6 +296,7 @@ class AsyncEngine:
     ):
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer  # read-only from here on: safe from any thread
+        self.structured = engine.structured  # compiled grammars, behind a lock: safe from any thread (04b)
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model.config.vocab_size
         self.metrics = EngineMetrics(model_name)
@@ -562,6 +574,34 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+# %% ../nbs/05_server.ipynb #1171e56a
+class JSONSchemaSpec(StrictModel):
+    "response_format's json_schema: a name, the schema, and `strict` (every output follows it anyway)."
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    "OpenAI's response_format: free text, any JSON object, or JSON following a schema."
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+    "vLLM's `structured_outputs`: one of a JSON schema, a regex, choices, EBNF, any JSON object."
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
 # %% ../nbs/05_server.ipynb #c07bf3e6
 class SamplingRequest(StrictModel):
     "The fields both completion endpoints share."
@@ -587,6 +627,13 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # the output's shape: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 # %% ../nbs/05_server.ipynb #c509214c
 class ChatCompletionRequest(SamplingRequest):
@@ -598,6 +645,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 
@@ -653,6 +701,67 @@ def parse_json(body: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, f"{param or 'body'}: {' or '.join(msgs)}", param=param) from None
 
 # %% ../nbs/05_server.ipynb #d6cdb829
+def _response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
+    "The constraint of OpenAI's response_format (None for text)."
+    if rf.type == "text":
+        return None
+    if rf.type == "json_schema" and rf.json_schema is not None and rf.json_schema.schema_ is not None:
+        return StructuredOutputsParams(json=rf.json_schema.schema_)
+    return StructuredOutputsParams(json_object=True)
+
+
+def _sources(req: SamplingRequest) -> list[tuple[str, StructuredOutputsParams | None]]:
+    "(field, constraint) for every constraint field the request sets."
+    found = []
+    if req.response_format is not None:
+        found.append(("response_format", _response_format(req.response_format)))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs.model_dump()
+        found.append(("structured_outputs", StructuredOutputsParams(json=so.pop("json_"), **so)))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            found.append((f"guided_{kind}", StructuredOutputsParams(**{kind: value})))
+    return found
+
+
+def output_constraint(req: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    "(constraint, the field it came from) of a request, (None, None) if free; a 400 if it is malformed."
+    found = _sources(req)
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(
+            400, f"Send one of response_format, structured_outputs, guided_*; got {names}.", param=found[1][0]
+        )
+    if not found or found[0][1] is None:
+        return None, None
+    param, constraint = found[0]
+    try:
+        constraint.validate()
+    except StructuredOutputError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+    return constraint, param
+
+# %% ../nbs/05_server.ipynb #92b63dbf
+def template_tool_calls(calls: Any, where: str) -> list[dict]:
+    "An assistant message's tool_calls, each arguments string read back into an object (400 if not JSON)."
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where}: must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            msg = f"{where}[{j}]: must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}"
+            raise APIError(400, msg, param=f"{where}[{j}]")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{where}[{j}].function.arguments is not JSON: {e}", param=where) from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+# %% ../nbs/05_server.ipynb #5724fa50
 def chat_prompt(
     tokenizer: Tokenizer,
     messages: list[ChatMessage],
@@ -661,10 +770,12 @@ def chat_prompt(
 ) -> str:
     "The prompt text for a conversation, from the model's chat template (400 if the template rejects it)."
     msgs = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d = m.model_dump()
         if isinstance(m.content, list):
             d["content"] = "\n".join(p.text for p in m.content)
+        if d.get("tool_calls") is not None:
+            d["tool_calls"] = template_tool_calls(d["tool_calls"], f"messages[{i}].tool_calls")
         if m.content is None and not d.get("tool_calls"):
             d["content"] = ""
         msgs.append(d)
@@ -760,6 +871,7 @@ def sampling_params(
     logprobs: int | None,  # top-k log-probabilities asked for, if any
     prompt_param: str,  # the field holding the prompt ("messages" or "prompt")
     default_max_tokens: int | None = None,
+    constraint: StructuredOutputsParams | None = None,  # the output's grammar, if any
 ) -> SamplingParams:
     "SamplingParams for an OpenAI request, checked against the engine's limits (a 400 on the first problem)."
     if req.logit_bias:
@@ -772,9 +884,10 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     p = openai_sampling(req, max_tokens, logprobs)
+    p.structured_outputs = constraint
     try:
         p.validate()
-    except SamplingError as e:
+    except (SamplingError, StructuredOutputError) as e:
         raise APIError(400, str(e), param=e.param) from None
     check_max_tokens(engine.max_model_len, max(prompt_lens), max_tokens)
     return p
@@ -865,7 +978,9 @@ class ResponseBuilder:
     tokenizer: Tokenizer
     logprobs: int | None = None  # top-k asked for, None if none
     include_usage: bool = False
+    tool_calls: bool = False  # chat: read tool calls out of the answer (05b_tool_calls)
     created: int = field(default_factory=lambda: int(time.time()))
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # choice index -> its stream's parser
 
     @property
     def object(self) -> str:
@@ -885,6 +1000,23 @@ class ResponseBuilder:
         return completion_logprobs(self.tokenizer, token_ids, lps, self.logprobs, offset)
 
 # %% ../nbs/05_server.ipynb #7211cc64
+def tool_finish(finish_reason: str | None, called: bool) -> str | None:
+    "OpenAI's finish_reason: 'tool_calls' for an answer that ended by itself after calling a tool."
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+@patch
+def message(self: ResponseBuilder, c) -> tuple[dict, str | None]:
+    "The whole chat message of completion `c`, with its tool calls, and its finish_reason."
+    if not self.tool_calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = parse_tool_calls(c.text)
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [call.to_dict() for call in calls]
+    return msg, tool_finish(c.finish_reason, bool(calls))
+
+
 @patch
 def choice(self: ResponseBuilder, prompt: int, c) -> dict:
     "One finished choice of a whole response."
@@ -895,7 +1027,7 @@ def choice(self: ResponseBuilder, prompt: int, c) -> dict:
         "stop_reason": c.stop_reason,
     }
     if self.kind == "chat":
-        ch["message"] = {"role": "assistant", "content": c.text}
+        ch["message"], ch["finish_reason"] = self.message(c)
     else:
         ch["text"] = c.text
     return ch
@@ -928,19 +1060,36 @@ def chunk(self: ResponseBuilder, choices: list[dict], usage: dict | None = None)
 
 
 @patch
+def new_parts(self: ResponseBuilder, prompt: int, c) -> tuple[str, list[dict], str | None]:
+    "What completion `c` adds to its stream: text, tool-call deltas (each a whole call), finish_reason."
+    if not self.tool_calls:
+        return c.delta_text, [], c.finish_reason
+    parser = self.parsers.setdefault(self.index(prompt, c), ToolCallParser())
+    events = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
+    calls = [e for e in events if not isinstance(e, str)]
+    first = len(parser.calls) - len(calls)  # the index of the first new call among the choice's calls
+    deltas = [{"index": first + k, **call.to_dict()} for k, call in enumerate(calls)]
+    text = "".join(e for e in events if isinstance(e, str))
+    return text, deltas, tool_finish(c.finish_reason, bool(parser.calls))
+
+
+@patch
 def delta(self: ResponseBuilder, prompt: int, c, sent: int) -> dict | None:
     "The streamed choice of completion `c` of prompt `prompt` (`sent` characters sent); None if nothing new."
-    if not (c.delta_text or c.finished or (self.logprobs is not None and c.delta_token_ids)):
+    text, calls, finish_reason = self.new_parts(prompt, c)
+    if not (text or calls or c.finished or (self.logprobs is not None and c.delta_token_ids)):
         return None
     ch = {
         "index": self.index(prompt, c),
-        "finish_reason": c.finish_reason,
+        "finish_reason": finish_reason,
         "logprobs": self.logprobs_of(c.delta_token_ids, c.delta_logprobs, sent),
     }
     if self.kind == "chat":
-        ch["delta"] = {"content": c.delta_text} if c.delta_text else {}
+        ch["delta"] = {"content": text} if text else {}
+        if calls:
+            ch["delta"]["tool_calls"] = calls
     else:
-        ch["text"] = c.delta_text
+        ch["text"] = text
     if c.finished:
         ch["stop_reason"] = c.stop_reason
     return ch
@@ -1199,6 +1348,38 @@ async def generate(
         return Response(status_code=499)
 
 # %% ../nbs/05_server.ipynb #604de9b1
+def chat_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None, bool]:
+    "A chat request's output grammar and the field it came from, and whether its answer may call tools."
+    try:
+        functions = check_tools(req.tools)
+        mode, name = resolve_tool_choice(req.tool_choice, functions)
+    except ToolCallError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    constraint, param = output_constraint(req)
+    forced = tool_call_grammar(functions, mode, name, req.parallel_tool_calls)
+    if forced is not None and constraint is not None:
+        msg = f"tool_choice {req.tool_choice!r} forces tool calls; it cannot be combined with {param}."
+        raise APIError(400, msg, param="tool_choice")
+    if forced is not None:
+        return forced, "tools", True
+    return constraint, param, mode != "none"
+
+
+@patch
+async def compile_constraint(
+    self: OpenAIServing, constraint: StructuredOutputsParams | None, param: str
+) -> None:
+    "Compile a grammar in a helper thread before it is queued (the engine finds it cached); 400 if it fails."
+    if constraint is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.engine.structured.compile, constraint
+        )
+    except StructuredOutputError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+# %% ../nbs/05_server.ipynb #390d738a
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
     "How many alternatives per token a chat request asks for (None: no logprobs), or a 400."
     if not req.logprobs:
@@ -1219,12 +1400,15 @@ async def chat_completions(self: OpenAIServing, request: Request) -> Response:
     req = await self.prepare(body, parse_json, body, ChatCompletionRequest)
     name = self.model_name(req.model)
     top = chat_top_logprobs(req)
+    constraint, param, read_calls = chat_constraint(req)
     ids = await self.prepare(body, self.chat_ids, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, [len(ids)], self.engine, max_tokens, top, "messages")
+    params = sampling_params(req, [len(ids)], self.engine, max_tokens, top, "messages", None, constraint)
+    await self.compile_constraint(constraint, param)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     builder = ResponseBuilder("chat", rid, name, [len(ids)], req.n, self.tokenizer, top, include_usage)
+    builder.tool_calls = read_calls
     return await self.generate(req, request, builder, [ids], params)
 
 # %% ../nbs/05_server.ipynb #af8031ad
@@ -1250,11 +1434,11 @@ async def completions(self: OpenAIServing, request: Request) -> Response:
     name = self.model_name(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
+    constraint, param = output_constraint(req)
     ids = await self.prepare(body, self.completion_ids, req)
     lens = [len(x) for x in ids]
-    params = sampling_params(
-        req, lens, self.engine, req.max_tokens, req.logprobs, "prompt", default_max_tokens=16
-    )
+    params = sampling_params(req, lens, self.engine, req.max_tokens, req.logprobs, "prompt", 16, constraint)
+    await self.compile_constraint(constraint, param)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     rid = f"cmpl-{uuid.uuid4().hex}"
     builder = ResponseBuilder(

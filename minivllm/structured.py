@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -17,8 +18,9 @@ from fastcore.basics import patch
 from .qwen2 import Tokenizer
 
 # %% auto #0
-__all__ = ['KINDS', 'ANY_OBJECT', 'StructuredOutputError', 'StructuredOutputsParams', 'choice_grammar', 'tokenizer_info',
-           'StructuredOutputs', 'cache_key', 'json_schema_grammar', 'GrammarState', 'apply_grammar_masks']
+__all__ = ['KINDS', 'ANY_OBJECT', 'MAX_WHITESPACE', 'StructuredOutputError', 'StructuredOutputsParams', 'choice_grammar',
+           'tokenizer_info', 'StructuredOutputs', 'cache_key', 'json_strings_repaired', 'json_schema_grammar',
+           'GrammarState', 'apply_grammar_masks']
 
 # %% ../nbs/04b_structured_outputs.ipynb #36dc640e
 class StructuredOutputError(ValueError):
@@ -29,7 +31,7 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 # %% ../nbs/04b_structured_outputs.ipynb #ad82f04d
-KINDS = ("json", "regex", "choice", "grammar", "json_object")  # the kinds of constraint, in vLLM's names
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # vLLM's names
 
 
 @dataclass
@@ -41,6 +43,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # EBNF (GBNF: `root ::= ...`)
     json_object: bool = False  # any JSON object
+    structural_tag: str | None = None  # XGrammar's structural tag (JSON text): tags around JSON content
     disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens
 
     @property
@@ -65,7 +68,7 @@ def _check_types(p: StructuredOutputsParams) -> None:
             raise StructuredOutputError(f"json is not valid JSON: {e}", "json") from None
         if not isinstance(schema, dict):
             raise StructuredOutputError(f"json must be a JSON object, got {p.json!r}", "json")
-    for name in ("regex", "grammar"):
+    for name in ("regex", "grammar", "structural_tag"):
         v = getattr(p, name)
         if v is not None and (not isinstance(v, str) or not v):
             raise StructuredOutputError(f"{name} must be a non-empty string, got {v!r}", name)
@@ -133,13 +136,15 @@ class StructuredOutputs:
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
         self.cache: OrderedDict[tuple, object] = OrderedDict()  # key -> xgrammar.CompiledGrammar
         self._compiler = None  # built on the first compile: it reads the whole vocabulary
+        self._lock = threading.Lock()  # a server compiles in helper threads while the engine reads the cache
 
     @property
     def compiler(self):
         "XGrammar's `GrammarCompiler` for this vocabulary."
-        if self._compiler is None:
-            info = tokenizer_info(self.tokenizer, self.vocab_size)
-            self._compiler = _xgrammar().GrammarCompiler(info, cache_enabled=False)
+        with self._lock:
+            if self._compiler is None:
+                info = tokenizer_info(self.tokenizer, self.vocab_size)
+                self._compiler = _xgrammar().GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 
 # %% ../nbs/04b_structured_outputs.ipynb #f4ab994f
@@ -164,13 +169,22 @@ _LENGTH_BOUNDED_CHAR = '[^\\"\\\\\\r\\n]'  # XGrammar's class for a character of
 _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'  # what JSON allows unescaped: no control characters
 
 
-def json_schema_grammar(xgr, schema: str, any_whitespace: bool):
-    "The grammar of a JSON schema; no string in it (min/maxLength ones too) holds a raw control character."
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+def json_strings_repaired(xgr, grammar):
+    "`grammar`, where no JSON string (min/maxLength ones too) may hold a raw control character."
     ebnf = str(grammar)
     if _LENGTH_BOUNDED_CHAR not in ebnf:
         return grammar
     return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
+
+
+MAX_WHITESPACE = 20  # the longest run of free whitespace in JSON: room to indent, none to loop in
+
+
+def json_schema_grammar(xgr, schema: str, any_whitespace: bool):
+    "The grammar of a JSON schema, repaired; free whitespace in runs of at most MAX_WHITESPACE characters."
+    bound = MAX_WHITESPACE if any_whitespace else None
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, max_whitespace_cnt=bound)
+    return json_strings_repaired(xgr, grammar)
 
 # %% ../nbs/04b_structured_outputs.ipynb #fa45d370
 @patch
@@ -181,6 +195,10 @@ def _compile(self: StructuredOutputs, kind: str, text: str, any_whitespace: bool
         return c.compile_grammar(json_schema_grammar(_xgrammar(), text, any_whitespace))
     if kind == "regex":
         return c.compile_regex(text)
+    if kind == "structural_tag":  # its JSON contents are JSON-schema grammars: repaired the same way
+        return c.compile_grammar(
+            json_strings_repaired(_xgrammar(), _xgrammar().Grammar.from_structural_tag(text))
+        )
     return c.compile_grammar(text)  # grammar, and choice as a grammar
 
 
@@ -188,18 +206,20 @@ def _compile(self: StructuredOutputs, kind: str, text: str, any_whitespace: bool
 def compile(self: StructuredOutputs, params: StructuredOutputsParams):
     "The compiled grammar (an `xgrammar.CompiledGrammar`) of a constraint, from the cache when it is there."
     key = cache_key(params.validate())
-    if key in self.cache:
-        self.cache.move_to_end(key)
-        return self.cache[key]
+    with self._lock:  # the lock guards the cache, not the compile: a slow schema blocks no other thread
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
     kind, text, no_whitespace = key
     try:
         compiled = self._compile(kind, text, not no_whitespace)
     except RuntimeError as e:
         message = _CPP_LOCATION.sub("", str(e)).strip()
         raise StructuredOutputError(f"{kind} does not compile: {message}", kind) from None
-    self.cache[key] = compiled
-    if len(self.cache) > self.cache_size:
-        self.cache.popitem(last=False)
+    with self._lock:
+        self.cache[key] = compiled
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
     return compiled
 
 # %% ../nbs/04b_structured_outputs.ipynb #335363c2

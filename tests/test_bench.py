@@ -189,3 +189,89 @@ def test_model_subcommands_take_the_engines_flags(tiny_folder, tmp_path, monkeyp
         assert saved["profiles"][0]["batch_size"] == 2 and saved["decode_bytes"] > 0
     else:
         assert saved["shared_prefix"]["identical"] == 2 and saved["long_prompt"]["on"]["long_prompt_s"] > 0
+
+
+# Every mode against transformers and llama-server in one run (the `cpu` subcommand)
+
+def test_parse_mode_names_weights_and_activations():
+    assert bench.parse_mode("float32") == bench.Mode("float32", "float32", None)
+    assert bench.parse_mode("int8") == bench.Mode("int8", "auto", "int8")  # activations: bfloat16 where the CPU has it
+    assert bench.parse_mode("int4/float32") == bench.Mode("int4/float32", "float32", "int4")
+    with pytest.raises(ValueError, match="only int8 or int4"):
+        bench.parse_mode("bfloat16/float32")
+
+
+def test_prefix_share_counts_tokens_before_the_first_difference():
+    assert bench.prefix_share([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == pytest.approx(4 / 6)
+    assert bench.prefix_share([[7, 8]], [[9, 8]]) == 0.0
+
+
+def test_llama_server_cmd_gives_each_slot_its_context_and_two_threads():
+    cmd = bench.llama_server_cmd("llama-server", Path("m.gguf"), 8103, slots=16, ctx_per_slot=512, threads=2)
+    flag = {k: v for k, v in zip(cmd, cmd[1:])}
+    assert (flag["-np"], flag["-c"], flag["-t"], flag["-tb"], flag["--port"]) == ("16", "8192", "2", "2", "8103")
+    assert "-cb" in cmd and flag["-m"] == "m.gguf"
+
+
+def test_ours_server_cmd_passes_the_mode_and_the_engine_flags():
+    flags = bench.engine_flags(bench.EngineArgs(num_kv_blocks=300, enable_chunked_prefill=False, dtype="bfloat16"))
+    assert flags == ["--num-kv-blocks", "300", "--no-enable-chunked-prefill"]  # dtype is the mode's, not a flag
+    cmd = bench.ours_server_cmd(bench.parse_mode("int4/bfloat16"), 8101, flags)
+    assert cmd[1:3] == ["-m", "minivllm.server"] and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--quantization") + 1] == "int4" and cmd[-3:] == flags
+
+
+def fake_cpu_result():
+    "A cpu result with two modes, one that failed to load, and llama.cpp at two slot settings for c=16."
+    def srv(engine, c, tput, **kw):
+        return {"engine": engine, "concurrency": c, "output_throughput": tput, **kw}
+    off = [{"mode": "float32", "concurrency": c, "ours_tok_s": 2.0 * c, "hf_tok_s": c, "speedup": 2.0,
+            "identical": 3, "requests": 4, "float32_prefix_share": None} for c in (1, 16)]
+    serving = [srv("llama.cpp", 1, 30.0, slots=1), srv("llama.cpp", 16, 60.0, slots=1),
+               srv("llama.cpp", 16, 70.0, slots=16), srv("mini-vLLM", 1, 15.0, mode="float32"),
+               srv("mini-vLLM", 16, 140.0, mode="float32")]
+    modes = [{"mode": "float32"}, {"mode": "int4", "error": "ValueError: no"}]
+    return {"modes": modes, "offline": off, "serving": serving}
+
+
+def test_cpu_summary_takes_llamas_best_slot_setting_per_concurrency():
+    rows = {(r["mode"], r["concurrency"]): r for r in bench.cpu_summary(fake_cpu_result())}
+    assert rows["float32", 16]["llama_slots"] == 16 and rows["float32", 16]["vs_llama"] == pytest.approx(2.0)
+    assert rows["float32", 1]["vs_llama"] == pytest.approx(0.5) and rows["float32", 1]["vs_hf"] == 2.0
+    assert rows["int4", 16]["served_tok_s"] is None and rows["int4", 16]["vs_llama"] is None  # shown, not run
+
+
+def test_print_cpu_summary_shows_every_mode(capsys):
+    bench.print_cpu_summary(fake_cpu_result())
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 4 and lines[1].startswith("float32") and lines[-1].startswith("int4")
+    assert "2.00x" in lines[2] and "0.50x" in lines[1]
+
+
+def test_serve_runs_records_a_server_that_cannot_start_and_goes_on(tmp_path):
+    bad = bench.ServerRun("bad", [sys.executable, "-c", "print('INFO minivllm: no kernel'); raise SystemExit(3)"],
+                          "http://127.0.0.1:9/v1", [1], {"engine": "mini-vLLM", "mode": "int4"})
+    recs, rows = bench.serve_runs([bad, bad], {1: 2}, log_dir=tmp_path, say=lambda m: None)
+    assert rows == [] and len(recs) == 2
+    assert "exited with 3" in recs[0]["error"] and recs[0]["log"] == ["INFO minivllm: no kernel"]
+
+
+def test_cpu_subcommand_runs_every_mode_offline_and_served(tiny_folder, tmp_path):
+    out = tmp_path / "cpu.json"
+    bench.main(["cpu", "--model", str(tiny_folder), "--modes", "float32", "bfloat16", "float16",
+                "--concurrency", "1", "3", "--offline-requests", "2", "3", "--offline-tokens", "2", "5",
+                "--serve-prompts", "2", "3", "--serve-tokens", "2", "5", "--num-kv-blocks", "300",
+                "--llama-server", "", "--log-dir", str(tmp_path / "logs"), "--preliminary", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["preliminary"] and res["machine"]["cores"] >= 1 and res["kernels"]["torch_cpu_capability"]
+    assert [m["mode"] for m in res["modes"]] == ["float32", "bfloat16", "float16"]
+    assert "error" in res["modes"][2]  # float16 is refused on the CPU: recorded, and the run went on
+    assert [(r["mode"], r["concurrency"]) for r in res["offline"]] == [
+        ("float32", 1), ("float32", 3), ("bfloat16", 1), ("bfloat16", 3)]
+    assert all(r["identical"] == r["requests"] for r in res["offline"] if r["mode"] == "float32")
+    assert all("same_as_float32" in r for r in res["offline"] if r["mode"] == "bfloat16")
+    served = [(r["mode"], r["concurrency"], r["completed"]) for r in res["serving"]]
+    assert served == [("float32", 1, 2), ("float32", 3, 3), ("bfloat16", 1, 2), ("bfloat16", 3, 3)]
+    assert all(r["total_output_tokens"] == r["requested_tokens"] for r in res["serving"])
+    assert "error" in res["servers"][2] and not any(s["engine"] == "llama.cpp" for s in res["servers"])
+    assert any("KV cache" in line for line in res["servers"][0]["log"])  # the server's own start-up lines

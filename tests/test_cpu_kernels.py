@@ -1,0 +1,266 @@
+"""CPU kernels (01b_cpu_kernels): int8/int4 linear layers against their dequantized float reference, kernels
+chosen per shape, `prepare_linears` and `load_model(quantization=...)` on tiny models, and `dtype="auto"`."""
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minivllm.cpu_kernels as ck
+from minivllm.cpu_kernels import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    int4_group_size,
+    int4_supported,
+    kernel_candidates,
+    prepare_linears,
+    quantize_int4,
+    quantize_int8,
+)
+from minivllm.qwen2 import (
+    ContiguousKVCache,
+    PackedLinear,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    load_model,
+    load_safetensors_model,
+    packing_supported,
+    resolve_dtype,
+)
+
+# Float32 kernels against a float32 reference: rounding only. bfloat16 runs: bfloat16 rounding of the outputs.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    "max |a - b| relative to max |b|."
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def tiny(seed=0, dtype=torch.float32, **kw) -> Qwen2ForCausalLM:
+    "A tiny random Qwen2 (tied head unless told), with non-zero biases."
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    cfg |= dict(num_key_value_heads=2, tie_word_embeddings=True) | kw
+    m = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return m.to(dtype).eval()
+
+
+def logits(model, ids):
+    meta = ContiguousKVCache(model.config.num_hidden_layers).batch([0], [len(ids)])
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids)), meta))
+
+
+IDS = torch.randint(0, 261, (33,), generator=torch.Generator().manual_seed(0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dtype auto
+
+
+def test_dtype_auto_follows_the_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_dtype(None, cpu) == torch.float32  # exact-parity paths stay float32
+    want = torch.bfloat16 if ck.cpu_has_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu) == want
+    if ck.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
+        assert ck.cpu_has_bf16()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# int8 and int4 layers against the dequantized reference
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_int8_round_trip_within_half_a_step(n, k, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 3
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(48, 64), (40, 48), (1, 7), (896, 128)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_matches_dequantized_reference(dtype, shape, bias):
+    out_f, in_f = shape
+    lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    x = torch.randn(2, 3, in_f).to(dtype)
+    ql = Int8Linear.from_linear(lin)
+    with torch.no_grad():
+        b = None if lin.bias is None else lin.bias.float()
+        ref = F.linear(x.float(), dequantize_int8(ql.qweight, ql.scales), b)
+        got = ql(x)
+    assert got.shape == (2, 3, out_f) and got.dtype == dtype
+    assert rel(got, ref) <= TOL[dtype]
+
+
+def test_int4_group_size_rule():
+    assert [int4_group_size(k, 128) for k in (896, 4864, 96, 64, 48, 16)] == [128, 128, 32, 64, None, None]
+    assert int4_group_size(896, 32) == 32
+    assert int4_supported(128, 896) and not int4_supported(261, 64) and not int4_supported(64, 48)
+    with pytest.raises(ValueError, match="out % 16"):
+        Int4Linear.from_linear(nn.Linear(64, 261))
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 20), groups=st.integers(1, 4), g=st.sampled_from([32, 64]), seed=st.integers(0, 2**16))
+def test_int4_round_trip_within_half_a_step(n, groups, g, seed):
+    w = torch.randn(n, groups * g, generator=torch.Generator().manual_seed(seed))
+    q, scale, zero = quantize_int4(w, g)
+    assert q.min() >= 0 and q.max() <= 15
+    err = (dequantize_int4(q, scale, zero) - w).abs().reshape(n, groups, g)
+    assert (err <= scale[..., None] / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,group", [((48, 64), 64), ((32, 96), 64), ((896, 128), 128), ((16, 256), 32)])
+def test_int4_linear_matches_dequantized_reference(dtype, shape, group):
+    out_f, in_f = shape
+    lin = nn.Linear(in_f, out_f).to(dtype)
+    x = torch.randn(5, in_f).to(dtype)
+    ql = Int4Linear.from_linear(lin, group_size=group)
+    assert ql.group_size == int4_group_size(in_f, group)
+    q, scale, zero = quantize_int4(lin.weight, ql.group_size)
+    with torch.no_grad():
+        ref = F.linear(x.float(), dequantize_int4(q, scale.to(dtype), zero.to(dtype)), lin.bias.float())
+        got = ql(x)
+    assert got.dtype == dtype and rel(got, ref) <= TOL[dtype]
+    assert ql.qweight.numel() == out_f * in_f // 2  # two weights a byte
+
+
+# ----------------------------------------------------------------------------------------------------------
+# candidates and the choice
+
+
+def test_candidates_per_format():
+    lin = nn.Linear(64, 48)
+    float_names = set(kernel_candidates(lin))
+    assert ("onednn" in float_names) == packing_supported(torch.float32) and len(float_names) >= 1
+    assert len(kernel_candidates(lin, pack=False)) == 1
+    assert list(kernel_candidates(lin, "int8")) == ["int8", "int8/bf16"]  # float32 model: bf16 compute too
+    assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4"]
+    assert list(kernel_candidates(nn.Linear(64, 40), "int4")) == ["int8", "int8/bf16"]  # refused shape: int8
+    if not packing_supported(torch.bfloat16):
+        with pytest.raises(ValueError, match="oneDNN cannot pack bfloat16"):
+            kernel_candidates(lin.bfloat16(), pack=True)
+
+
+def test_choice_is_the_fastest_measured(monkeypatch):
+    fake = {"int8": 3.0, "int8/bf16": 1.0}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake[n] for n in mods})
+    assert ck.choose_kernel(nn.Linear(64, 48), "int8") == ("int8/bf16", fake)
+    fake = {"int8": 0.5, "int8/bf16": 1.0}
+    assert ck.choose_kernel(nn.Linear(64, 48), "int8")[0] == "int8"
+    assert ck.choose_kernel(nn.Linear(64, 48), pack=False)[1] == {}  # one candidate: nothing timed
+
+
+def test_time_kernels_gives_every_candidate_a_score():
+    lin = nn.Linear(64, 20000)  # timed on a slice of TIME_MAX_ROWS rows
+    part = ck._timing_slice(lin)
+    assert tuple(part.weight.shape) == (ck.TIME_MAX_ROWS, 64) and part.weight.data_ptr() == lin.weight.data_ptr()
+    secs = ck.time_kernels({n: make(part) for n, make in kernel_candidates(lin, "int8").items()}, 64, torch.float32)
+    assert set(secs) == {"int8", "int8/bf16"} and min(secs.values()) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# whole models
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_float_kernels_keep_the_logits(dtype):
+    ref = logits(tiny(dtype=dtype), IDS)
+    m = tiny(dtype=dtype)
+    report = prepare_linears(m)
+    assert all(type(x) in (nn.Linear, PackedLinear) for x in m.modules() if hasattr(x, "in_features"))
+    assert rel(logits(m, IDS), ref) <= {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert set(report.choices) == {"64x64", "32x64", "128x64", "64x128", "261x64"}
+
+
+@pytest.mark.parametrize("quantization,limit", [("int8", 0.03), ("int4", 0.15)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_model_close_to_float(quantization, limit, tied, caplog):
+    ref = logits(tiny(tie_word_embeddings=tied), IDS)
+    m = tiny(tie_word_embeddings=tied)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        report = prepare_linears(m, quantization)
+    got = logits(m, IDS)
+    assert rel(got, ref) <= limit
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    layer = Int4Linear if quantization == "int4" else Int8Linear
+    assert type(m.model.layers[0].mlp.down_proj) is layer and type(m.model.layers[1].self_attn.k_proj) is layer
+    # an int8 head, tied or not; the embedding keeps the float table, and `weight` still answers the dtype
+    assert type(m.lm_head) is Int8Linear and m.lm_head.weight.dtype == torch.float32
+    assert m.lm_head.weight.shape == m.model.embed_tokens.weight.shape
+    assert all(p is not m.lm_head.weight for p in m.parameters())
+    assert m.model.embed_tokens.weight.dtype == torch.float32
+    assert f"linear kernels (cpu, float32, {quantization})" in caplog.text and "261x64" in caplog.text
+    assert report.line in caplog.text
+
+
+def test_quantized_bfloat16_model_and_bytes():
+    from minivllm.bench import decode_bytes_per_step
+
+    bf = tiny(dtype=torch.bfloat16, vocab_size=4096)
+    ref = logits(bf, IDS)
+    sizes = {None: decode_bytes_per_step(bf)}
+    for q in ("int8", "int4"):
+        m = tiny(dtype=torch.bfloat16, vocab_size=4096)
+        prepare_linears(m, q)
+        assert rel(logits(m, IDS), ref) <= 0.15
+        sizes[q] = decode_bytes_per_step(m)
+    assert sizes[None] > sizes["int8"] > sizes["int4"]
+
+
+def test_unknown_quantization_refused(tiny_folder):
+    with pytest.raises(ValueError, match="use int8 or int4"):
+        prepare_linears(tiny(), "fp8")
+    with pytest.raises(ValueError, match="use int8 or int4"):
+        load_model(tiny_folder, quantization="q4_k")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_load_model_quantizes_and_the_engine_runs(tiny_folder, quantization):
+    from minivllm.engine import LLMEngine, SamplingParams
+
+    plain = load_safetensors_model(tiny_folder, "float32", "cpu")
+    m, tok = load_model(tiny_folder, "float32", "cpu", quantization=quantization)
+    assert rel(logits(m, IDS), logits(plain, IDS)) <= 0.15
+    assert any(type(x) in (Int8Linear, Int4Linear) for x in m.modules())
+    eng = LLMEngine(m, tok, num_kv_blocks=16)
+    assert eng.cache.k.dtype == torch.float32  # the KV cache in the activations' dtype, not int8
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 5
+
+
+def test_load_model_gguf_quantized(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from test_qwen2 import tiny_hf, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf(0), "Q8_0")
+    plain, _ = load_model(path, "float32", "cpu", pack=False)
+    m, _ = load_model(path, "float32", "cpu", quantization="int8")
+    assert type(m.model.layers[0].mlp.up_proj) is Int8Linear
+    assert rel(logits(m, IDS % 256), logits(plain, IDS % 256)) <= 0.03
+    assert gguf is not None
+
+
+def test_report_is_json_friendly():
+    r = prepare_linears(tiny(), "int8")
+    assert json.loads(json.dumps(r.choices)) == r.choices and r.seconds_building >= 0

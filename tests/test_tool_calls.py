@@ -1,0 +1,242 @@
+"""Tool calls (05b_tool_calls) and the server's side of structured outputs, without the bundled model.
+
+The hermes parser against every way of cutting a text (hypothesis: streamed events == the whole answer), the
+checks of `tools` and `tool_choice`, the grammar of `required` and named calls walked at random (every walk
+parses into calls that fit their schemas), streamed deltas reassembled into the whole message, and every bad
+input of the issue through a real server on a tiny model: an OpenAI-style 400, never a 500 or a hung stream.
+"""
+import json
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from minivllm.engine import CompletionOutput, LLMEngine
+from minivllm.server import BackgroundServer, ResponseBuilder, build_app
+from minivllm.structured import StructuredOutputs, apply_grammar_masks
+from minivllm.tool_calls import (ToolCall, ToolCallError, ToolCallParser, check_tools, parse_tool_calls,
+                                 resolve_tool_choice, tool_call_grammar)
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+# --- the parser ---------------------------------------------------------------------------------------------------
+PIECES = st.sampled_from(["Hello", " ", "\n", "<", "<tool", "<tool_call", "2 < 3", "</tool_call>", CALL,
+                          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+                          "<tool_call>\n{not json}\n</tool_call>", '<tool_call>{"name": "f", "arg', "é", "🙂"])
+
+
+def events_of(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    parser, events = ToolCallParser(), []
+    bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        events += parser.feed(text[a:b])
+    events += parser.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    return content, [(e.name, e.arguments) for e in events if isinstance(e, ToolCall)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PIECES, max_size=12), st.lists(st.integers(0, 10_000), max_size=8))
+def test_streamed_events_equal_the_whole_answer(pieces, cuts):
+    text = "".join(pieces)
+    content, calls = parse_tool_calls(text)
+    assert events_of(text, cuts) == (content or "", [(c.name, c.arguments) for c in calls])
+    assert "<tool_call>\n{\"name\": \"get_weather\"" not in (content or "")  # a whole call never leaks as text
+
+
+def test_parse_tool_calls():
+    content, calls = parse_tool_calls(f"Checking.\n{CALL}\n{CALL}\n")
+    assert content == "Checking." and [c.name for c in calls] == ["get_weather"] * 2
+    assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].id != calls[1].id
+    assert calls[0].to_dict()["type"] == "function" and calls[0].id.startswith("call_")
+    assert parse_tool_calls("") == (None, []) and parse_tool_calls(CALL)[0] is None
+    assert parse_tool_calls("a <tool_call>\n[1]\n</tool_call>") == ("a <tool_call>\n[1]\n</tool_call>", [])
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ([{"type": "retrieval"}], None, "tools[0].type"),
+    (["get_weather"], None, "tools[0].type"),
+    ([{"type": "function", "function": {"name": "a b"}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "tools[0].function"),
+    ([WEATHER, WEATHER], None, "tools"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_news"}}, "tool_choice.function.name"),
+    ([WEATHER], {"function": {"name": "get_weather"}}, "tool_choice"),
+    ([], "required", "tool_choice"),
+    ([], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice.function.name"),
+])
+def test_bad_tools_and_tool_choice(tools, choice, param):
+    with pytest.raises(ToolCallError) as e:
+        resolve_tool_choice(choice, check_tools(tools))
+    assert e.value.param == param
+
+
+# --- the grammar of forced calls, walked at random -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def structured(tiny):
+    _, tok = tiny
+    return tok, StructuredOutputs(tok, 300)
+
+
+def random_walk(so: StructuredOutputs, params, seed: int) -> list[int]:
+    state, gen, ids = so.matcher(so.compile(params)), torch.Generator().manual_seed(seed), []
+    while not state.is_finished:
+        logits = torch.randn(1, so.vocab_size, generator=gen)
+        apply_grammar_masks(logits, [state])
+        ids.append(int(logits.argmax()))
+        assert state.accept(ids[-1]) and len(ids) < 5000
+    return ids[:-1]
+
+
+@pytest.mark.parametrize("mode, name, parallel", [("required", None, True), ("required", None, False),
+                                                   ("named", "get_time", True)])
+def test_forced_calls_always_parse_and_fit_their_schemas(structured, mode, name, parallel):
+    tok, so = structured
+    functions = check_tools([WEATHER, CLOCK])
+    schemas = {f.name: f.parameters for f in functions}
+    params = tool_call_grammar(functions, mode, name, parallel)
+    counts = []
+    for seed in range(8):
+        content, calls = parse_tool_calls(tok.decode(random_walk(so, params, seed)))
+        assert content is None and calls
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+        assert name is None or {c.name for c in calls} == {name}
+        counts.append(len(calls))
+    assert max(counts) == 1 if (not parallel or mode == "named") else max(counts) > 1
+
+
+def test_modes_without_a_grammar():
+    functions = check_tools([WEATHER])
+    assert tool_call_grammar(functions, "auto") is None and tool_call_grammar(functions, "none") is None
+
+
+# --- the response: streamed deltas reassemble into the whole message ---------------------------------------------
+def test_streamed_tool_call_deltas_equal_the_whole_message(tiny):
+    _, tok = tiny
+    text = f"Let me see.\n{CALL}\n" + CALL.replace("Paris", "Oslo")
+    whole = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=True)
+    msg, finish = whole.message(CompletionOutput(0, text, [1], "stop"))
+    assert finish == "tool_calls" and msg["content"] == "Let me see." and len(msg["tool_calls"]) == 2
+    stream = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=True)
+    content, calls, last = "", {}, None
+    for i in range(0, len(text), 4):
+        done = i + 4 >= len(text)
+        c = CompletionOutput(0, text[: i + 4], [1], "stop" if done else None, delta_text=text[i : i + 4])
+        ch = stream.delta(0, c, 0)
+        if ch is None:
+            continue
+        content += ch["delta"].get("content", "")
+        for tc in ch["delta"].get("tool_calls", []):
+            calls[tc["index"]] = tc
+        last = ch["finish_reason"]
+    assert content == msg["content"] and last == "tool_calls"
+    assert [calls[k]["function"] for k in sorted(calls)] == [c["function"] for c in msg["tool_calls"]]
+
+
+# --- through a server: bad input is a 400, a grammar that ends or max_tokens ends the answer ----------------------
+@pytest.fixture(scope="module")
+def server(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=1024, max_num_seqs=16)
+    with BackgroundServer(build_app(engine, "tiny")) as srv:
+        yield srv
+
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("a schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format"),
+    ("a $ref to nowhere", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"$ref": "#/$defs/missing"}}}}, "response_format"),
+    ("response_format of an unknown type", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("response_format without a type", {"response_format": {}}, "response_format.type"),
+    ("an unknown tool_choice name", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {
+        "name": "get_news"}}}, "tool_choice.function.name"),
+    ("an unknown tool_choice", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ("tool_choice required without tools", {"tool_choice": "required"}, "tool_choice"),
+    ("tools that are not functions", {"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    ("a tool that is not an object", {"tools": ["get_weather"]}, "tools[0]"),
+    ("a function without a name", {"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    ("tool parameters that do not compile", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "strin"}}}], "tool_choice": "required"}, "tools"),
+    ("a forced call and a response_format", {"tools": [WEATHER], "tool_choice": "required",
+                                             "response_format": {"type": "json_object"}}, "tool_choice"),
+    ("a regex that does not compile", {"guided_regex": "(ab"}, "guided_regex"),
+    ("an empty guided_choice", {"guided_choice": []}, "guided_choice"),
+    ("a grammar that does not compile", {"structured_outputs": {"grammar": 'root ::= "a" | b'}},
+     "structured_outputs"),
+    ("two constraints in structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs"),
+    ("response_format and guided_json", {"response_format": {"type": "json_object"}, "guided_json": {}},
+     "guided_json"),
+    ("guided_json that is not JSON", {"guided_json": "{not json"}, "guided_json"),
+    ("arguments of a past call that are not JSON", {"messages": MSG + [
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls"),
+    ("min_tokens with a grammar", {"guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("what, body, param", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_input_gets_a_400(server, what, body, param, stream):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"messages": MSG, "max_tokens": 4, "stream": stream, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    print(f"| {what} | {r.status_code} | `{err['param']}` | {err['message'][:90]} |")
+
+
+def test_completions_take_response_format_and_guided_fields(server):
+    url = server.url + "/v1/completions"
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 20, "guided_choice": ["yes", "no"]}).json()
+    assert r["choices"][0]["text"] in ("yes", "no") and r["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 3, "response_format": {"type": "json_object"}}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["text"].startswith("{")
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 20, "response_format": {"type": "xml"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type"
+
+
+def test_a_grammar_that_ends_stops_the_stream(server):
+    "Streamed, a constrained answer ends with its grammar: finish_reason 'stop', then [DONE]; no hang."
+    body = {"messages": MSG, "max_tokens": 50, "stream": True, "guided_regex": "(ab|cd)!"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text in ("ab!", "cd!") and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_history_renders_through_the_template(server):
+    "An assistant message with tool_calls (arguments a JSON string) and a tool message are accepted."
+    history = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": history, "tools": [WEATHER], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.slow
+def test_qwen_template_writes_past_calls_as_json():
+    from minivllm.qwen2 import Tokenizer, bundled_model_folder
+    from minivllm.server import ChatMessage, chat_prompt
+    tok = Tokenizer.from_folder(bundled_model_folder())
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"}]
+    text = chat_prompt(tok, [ChatMessage.model_validate(m) for m in history], True, [WEATHER])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n12 degrees\n</tool_response>" in text
