@@ -312,6 +312,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
     import torch.nn as nn
     from minivllm.engine import ModelRunner, Sampler
     from minivllm.paged_cache import PagedBatch
+    from minivllm.cpu_kernels import Int4Linear, Int8Linear
     from minivllm.qwen2 import PackedLinear
 
     def linear(m):
@@ -323,6 +324,8 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
         (PagedBatch, "build", "input preparation"),
         (nn.Linear, "forward", linear),
         (PackedLinear, "forward", linear),
+        (Int8Linear, "forward", linear),
+        (Int4Linear, "forward", linear),
         (PagedBatch, "attend", "attention"),
         (type(model), "forward", "norms, rotary, activations"),
         (type(model), "compute_logits", "matmul (LM head)"),

@@ -64,7 +64,11 @@ class EngineArgs:
     model: str | None = _opt(
         None, "a local folder, a .gguf file or a Hugging Face repo id (default: the bundled model)"
     )
-    dtype: str | None = _opt(None, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    dtype: str | None = _opt(
+        "auto",
+        "float32, bfloat16, float16 or auto: bfloat16 on CUDA (float16 before Ampere) and on CPUs with "
+        "AMX or AVX512-BF16, float32 on other CPUs",
+    )
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     block_size: int = _opt(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _opt(

@@ -457,6 +457,7 @@ class PagedBatch:
     block_ids: torch.Tensor | None  # [P] blocks read by decode rows
     block_row: torch.Tensor | None  # [P] decode row (0..num_decode-1) of each of those blocks
     valid: torch.Tensor | None  # [P, block_size] which slots of each block hold context
+    lone_context: torch.Tensor | None = None  # [L] the context slots of a decode row alone in its step
 
 # %% ../nbs/02_paged_cache.ipynb #6f97d627
 def _prefill_spans(items: list[tuple[BlockTable, int, int]], device: torch.device) -> list[PrefillSpan]:
@@ -508,7 +509,11 @@ def build(
     prefills = _prefill_spans(items[:num_prefill], device)
     decode = _decode_blocks(items[num_prefill:], cache.block_size, device)
     slot_mapping = torch.tensor(slots, device=device, dtype=torch.long)  # [T]
-    return cls(cache, slot_mapping, prefills, len(items) - num_prefill, *decode)
+    meta = cls(cache, slot_mapping, prefills, len(items) - num_prefill, *decode)
+    if num_prefill == 0 and len(items) == 1:  # one user: see "A decode row alone" below
+        table, cached, _ = items[0]
+        meta.lone_context = torch.tensor(table.slots(0, cached + 1), device=device)  # [cached + 1]
+    return meta
 
 # %% ../nbs/02_paged_cache.ipynb #ed91f4ad
 @patch
@@ -530,7 +535,10 @@ def attend(
             ks = kp.view(-1, Hkv, D)[p.context_slots]  # [context_len, Hkv, D]
             vs = vp.view(-1, Hkv, D)[p.context_slots]
         out.append(causal_attention(q[rows], ks, vs))
-    if self.num_decode:  # 3. decode: one query per sequence
+    if self.lone_context is not None:  # 3a. one decode row alone: one gather and one attention call
+        ks = kp.view(-1, Hkv, D)[self.lone_context]  # [context_len, Hkv, D]
+        out.append(causal_attention(q, ks, vp.view(-1, Hkv, D)[self.lone_context]))
+    elif self.num_decode:  # 3b. decode: one query per sequence
         qd = q[q.shape[0] - self.num_decode :]
         out.append(paged_decode_attention(qd, kp, vp, self.block_ids, self.block_row, self.valid))
     return out[0] if len(out) == 1 else torch.cat(out)

@@ -50,7 +50,7 @@ __all__ = ['SHARD_RULES', 'COLLECTIVE_TIMEOUT', 'IDLE_TIMEOUT', 'JOIN_TIMEOUT', 
            'shard_rule', 'take_shard', 'WorkerDied', 'TPGroup', 'RowParallelLinear', 'VocabParallelEmbedding',
            'ShardedQwen2ForCausalLM', 'sharded_model_from_tensors', 'load_sharded_model', 'save_random_model',
            'StepInputs', 'run_step', 'rank_device', 'start_group', 'describe_rank', 'all_reduce_seconds', 'serve',
-           'TPModelRunner', 'launch_tensor_parallel', 'main']
+           'TPModelRunner', 'loaded_as', 'launch_tensor_parallel', 'main']
 
 # %% ../nbs/07_tensor_parallel.ipynb #b8155033
 def split_evenly(n: int, world_size: int, rank: int) -> range:
@@ -155,6 +155,7 @@ class TPGroup:
     comm_calls: int = 0
     closed: str | None = None  # why the group was closed
     restore_threads: int | None = None  # torch threads to give back to this process on close
+    threads: int | None = None  # torch threads for rank 0 on the CPU: its share of this machine's cores
 
 # %% ../nbs/07_tensor_parallel.ipynb #bf2ac135
 @patch
@@ -496,10 +497,10 @@ def start_group(args: EngineArgs) -> TPGroup:
     else:
         group = _spawn_workers(args, device)
         here = n
-    threads = _threads_per_rank(device, here)
-    if threads is not None:
+    group.threads = _threads_per_rank(device, here)
+    if group.threads is not None:
         group.restore_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(group.threads)  # for this thread; a server's engine thread reads group.threads
     return group
 
 # %% ../nbs/07_tensor_parallel.ipynb #48884778
@@ -663,7 +664,7 @@ def _worker_main(
         group.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         group.all_gather_object(f"{type(e).__name__}: {e}")  # rank 0 waits for every rank's status
         raise
-    group.all_gather_object(None)
+    group.all_gather_object(loaded_as(model))
     try:
         serve(model, group)
     except WorkerDied:
@@ -718,6 +719,11 @@ def time_all_reduce(self: TPModelRunner, shape: tuple[int, ...], repeats: int = 
     return all_reduce_seconds(self.group, shape, repeats)
 
 # %% ../nbs/07_tensor_parallel.ipynb #61daef75
+def loaded_as(model: nn.Module) -> dict:
+    "What every rank must agree on: the model's layer count and its weights' dtype."
+    return {"layers": model.config.num_hidden_layers, "dtype": str(model.model.norm.weight.dtype)}
+
+# %% ../nbs/07_tensor_parallel.ipynb #080b5072
 def launch_tensor_parallel(engine_cls: type[LLMEngine], args: EngineArgs) -> LLMEngine:
     "An engine whose model is split over `args.tensor_parallel_size` ranks, rank 0 being this process."
     if args.quantization is not None:
@@ -725,9 +731,12 @@ def launch_tensor_parallel(engine_cls: type[LLMEngine], args: EngineArgs) -> LLM
     group = start_group(args)
     try:
         model, tokenizer = load_sharded_model(args.model, group, args.dtype)
-        errors = [e for e in group.all_gather_object(None) if e is not None]
+        statuses = group.all_gather_object(loaded_as(model))
+        errors = [s for s in statuses if not isinstance(s, dict)]
         if errors:
             raise ModelLoadError(f"a tensor-parallel worker could not load the model: {errors[0]}")
+        if any(s != statuses[0] for s in statuses):
+            raise ModelLoadError(f"the ranks loaded the model differently, rank by rank: {statuses}")
         return engine_cls(
             model, tokenizer, args, runner_factory=functools.partial(TPModelRunner, group=group)
         )

@@ -55,16 +55,17 @@ log = logging.getLogger("minivllm.server")
 
 # %% auto #0
 __all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'BYTE_DECODER', 'APIError', 'server_error', 'shutting_down',
-           'EngineMetrics', 'Admission', 'available_cores', 'AsyncEngine', 'Submission', 'StrictModel', 'StreamOptions',
-           'ContentPart', 'ChatMessage', 'JSONSchemaSpec', 'ResponseFormat', 'StructuredOutputsRequest',
-           'SamplingRequest', 'ChatCompletionRequest', 'CompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
-           'error_param', 'parse_json', 'output_constraint', 'template_tool_calls', 'chat_prompt', 'check_token_ids',
-           'max_token_chars', 'too_long', 'PromptEncoder', 'check_prompt_lengths', 'check_max_tokens',
-           'openai_sampling', 'sampling_params', 'token_bytes', 'chat_logprobs', 'completion_logprobs', 'sse', 'usage',
-           'ResponseBuilder', 'tool_finish', 'stream_error', 'SSEResponse', 'ClientGone', 'collect', 'RequestGuard',
-           'OpenAIServing', 'chat_constraint', 'chat_top_logprobs', 'add_error_handlers', 'add_routes', 'build_app',
-           'BackgroundServer', 'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser',
-           'build_engine', 'log_engine', 'main']
+           'EngineMetrics', 'Admission', 'available_cores', 'engine_threads', 'AsyncEngine', 'Submission',
+           'StrictModel', 'StreamOptions', 'ContentPart', 'ChatMessage', 'JSONSchemaSpec', 'ResponseFormat',
+           'StructuredOutputsRequest', 'SamplingRequest', 'ChatCompletionRequest', 'CompletionRequest',
+           'TokenizeRequest', 'DetokenizeRequest', 'error_param', 'parse_json', 'output_constraint',
+           'template_tool_calls', 'chat_prompt', 'check_token_ids', 'max_token_chars', 'too_long', 'PromptEncoder',
+           'check_prompt_lengths', 'check_max_tokens', 'openai_sampling', 'sampling_params', 'token_bytes',
+           'chat_logprobs', 'completion_logprobs', 'sse', 'usage', 'ResponseBuilder', 'tool_finish', 'stream_error',
+           'SSEResponse', 'ClientGone', 'collect', 'RequestGuard', 'OpenAIServing', 'chat_constraint',
+           'chat_top_logprobs', 'add_error_handlers', 'add_routes', 'build_app', 'BackgroundServer', 'GracefulServer',
+           'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'in_passing_thread', 'build_engine',
+           'log_engine', 'main']
 
 # %% ../nbs/05_server.ipynb #d635a04e
 class APIError(Exception):
@@ -272,6 +273,12 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def engine_threads(engine: LLMEngine) -> int:
+    "Torch threads for the engine thread: every core, or rank 0's share of them under tensor parallelism."
+    group = getattr(engine.runner, "group", None)  # a tensor-parallel runner's group (07)
+    return getattr(group, "threads", None) or available_cores()
+
+
 @dataclass(eq=False)
 class _Stream:
     "Where one HTTP request's outputs go (engine thread side)."
@@ -289,7 +296,7 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         model_name: str = "minivllm",
-        num_threads: int | None = None,  # torch threads of the engine thread (default: every core)
+        num_threads: int | None = None,  # torch threads of the engine thread (default: see engine_threads)
         max_num_queued_reqs: int | None = None,  # default: 4 x max_num_seqs
         max_num_queued_tokens: int | None = None,  # default: 8 x max_num_batched_tokens, >= max_model_len
         liveness_interval: float = 0.5,  # seconds between checks that the engine thread runs
@@ -304,7 +311,7 @@ class AsyncEngine:
         max_reqs = max_num_queued_reqs or 4 * cfg.max_num_seqs
         max_tokens = max_num_queued_tokens or max(8 * cfg.max_num_batched_tokens, self.max_model_len)
         self.admission = Admission(max_reqs, max_tokens)  # event loop thread only
-        self.num_threads = num_threads or available_cores()
+        self.num_threads = num_threads or engine_threads(engine)
         self.torch_threads: int | None = None  # torch.get_num_threads() inside the engine thread
         self.liveness_interval = liveness_interval
         self.inbox: queue.Queue[tuple] = queue.Queue()
@@ -1770,10 +1777,28 @@ def arg_parser() -> argparse.ArgumentParser:
     return ap
 
 # %% ../nbs/05_server.ipynb #c519457a
+def in_passing_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    "`fn(*args, **kwargs)` in a thread that ends with it, so the OpenMP pool its torch ops start ends too."
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="minivllm-load", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+# %% ../nbs/05_server.ipynb #3819a131
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    "Load the model and build the engine the engine flags describe."
+    "Load the model and build the engine the engine flags describe (in a passing thread: see above)."
     t0 = time.time()
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = in_passing_thread(LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
     w = engine.model.lm_head.weight
     params = f"{sum(p.numel() for p in engine.model.parameters()):,}"
     dtype = str(w.dtype).removeprefix("torch.")

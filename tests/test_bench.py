@@ -162,7 +162,8 @@ def test_command_line_writes_the_machine_and_its_arguments(server, tmp_path):
 
 
 @pytest.mark.parametrize("cmd, args", [
-    ("offline", ["--concurrency", "2", "--num-requests", "2", "--min-tokens", "3", "--max-tokens", "6"]),
+    ("offline", ["--concurrency", "2", "--num-requests", "2", "--min-tokens", "3", "--max-tokens", "6",
+                 "--dtype", "float32"]),  # identical to transformers: float32 ("auto" may be bfloat16)
     ("profile", ["--batch-size", "2", "--steps", "2"]),
     ("features", ["--system-tokens", "40", "--users", "2", "--prompt-tokens", "60", "--streams", "2",
                   "--budget", "16"]),

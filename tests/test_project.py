@@ -83,15 +83,21 @@ def test_index_counts_the_notebooks():
     assert said.group(1) == NUMBERS[count], f"README.md says {said.group(1)} notebooks; nbs/ holds {count}"
 
 def test_readme_performance_figures_are_the_committed_results():
+    from minivllm.bench import cpu_summary
+
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     perf = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
     res = {p.stem: json.loads(p.read_text()) for p in (ROOT / "nbs" / "results").glob("*.json")}
-    figures = [f"{r['speedup']:.2f}x" for dt in ("float32", "bfloat16") for r in res[f"offline_{dt}"]["rows"]]
+    cpu = res["cpu_compare"]
+    assert not cpu.get("preliminary"), "the README must not quote a smoke run"
+    assert f"{cpu['machine']['cores']}-core {cpu['machine']['cpu']}" in perf  # which CPU the table is from
+    figures = []
+    for r in cpu_summary(cpu):  # every cell of the table: ours / transformers and ours / llama-server
+        figures += [f"{r['vs_hf']:.2f}x", f"{r['vs_llama']:.2f}x"]
+    figures += [f"{r['speedup']:.2f}x" for r in res["offline_float32"]["rows"] if r["concurrency"] in (1, 16, 64)]
     prof = res["profile_float32"]
     one, roof = prof["profiles"][0], prof["bandwidth_gb_s"] * 1e9 / prof["decode_bytes"]
     figures += [f"{100 * one['tok_per_s'] / roof:.0f}% of the", f"({one['tok_per_s']:.1f} of {roof:.1f} tokens/s)"]
-    served = {(r["server"], r["concurrency"]): r["output_throughput"] for r in res["serving"]["rows"]}
-    figures += [f"{served['llama.cpp', c]:.1f}" for c in (1, 16)]
     shared = res["features"]["shared_prefix"]
     figures += [f"{shared['off']['mean_ttft_s']:.1f} s → {shared['on']['mean_ttft_s']:.1f} s"]
     figures += [f"{100 * shared['on']['hit_tokens'] / shared['on']['queried_tokens']:.0f}% of the prompt tokens"]

@@ -451,6 +451,37 @@ def test_help_explains_every_flag():
         assert flag in out.stdout, flag
 
 
+OPENMP_POOL = """
+import os, sys, threading
+from minivllm.engine import EngineArgs, LLMEngine
+from minivllm.server import arg_parser, build_engine
+threads = lambda: len(os.listdir("/proc/self/task")) - threading.active_count()  # native threads (OpenMP's)
+before = threads()
+if sys.argv[1] == "server":
+    build_engine(arg_parser().parse_args(["--num-kv-blocks", "64"]))
+else:  # what build_engine must not do: load in the main thread
+    LLMEngine.from_engine_args(EngineArgs(num_kv_blocks=64))
+print(before, threads())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_build_engine_leaves_no_openmp_pool_in_the_main_thread(tmp_path):
+    "The server loads in a passing thread: the engine thread's OpenMP pool is then the process's only one."
+    script = tmp_path / "pool.py"
+    script.write_text(OPENMP_POOL)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    counts = {}
+    for how in ("server", "main"):
+        out = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+        counts[how] = list(map(int, out.stdout.split()))
+    assert counts["server"][1] == counts["server"][0]  # the loader's pool left with its thread
+    assert counts["main"][1] > counts["main"][0]  # the check sees a pool: loading in main leaves its workers
+
+
 def test_server_flags_write_no_engine_default():
     "The engine's flags come from EngineArgs: their defaults are the dataclass's, and every field has a flag."
     import dataclasses

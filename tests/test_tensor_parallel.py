@@ -15,7 +15,7 @@ import torch
 
 from minivllm.engine import LLM
 from minivllm.parallel import ShardPlan, WorkerDied, save_random_model
-from minivllm.qwen2 import Qwen2Config
+from minivllm.qwen2 import ModelLoadError, Qwen2Config
 from minivllm.scheduler import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,8 @@ _gen = torch.Generator().manual_seed(7)
 _shared = torch.randint(0, 256, (20,), generator=_gen).tolist()  # a prefix three prompts share (prefix caching)
 PROMPTS = [torch.randint(0, 256, (n,), generator=_gen).tolist() for n in (3, 11, 40, 57, 26)]
 PROMPTS += [_shared + torch.randint(0, 256, (n,), generator=_gen).tolist() for n in (1, 9, 17)]
-ENGINE = dict(max_num_batched_tokens=48, enable_prefix_caching=True)  # 57 tokens: chunked prefill
+ENGINE = dict(max_num_batched_tokens=48, enable_prefix_caching=True, dtype="float32")  # 57 tokens: chunked prefill
+# float32 is pinned: "auto" is bfloat16 on some CPUs, where N ranks summing in another order may flip a token
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -100,8 +101,10 @@ def small_folder(tmp_path_factory) -> Path:
 
 
 def test_killed_worker_is_a_clear_error(small_folder):
-    llm = LLM(str(small_folder), tensor_parallel_size=2, num_kv_blocks=256)
+    llm = LLM(str(small_folder), tensor_parallel_size=2, num_kv_blocks=256, dtype="float32")
     worker = llm.llm_engine.runner.group.workers[0]
+    from minivllm.server import AsyncEngine
+    assert AsyncEngine(llm.llm_engine).num_threads == max(1, os.cpu_count() // 2)  # a server's rank 0: its share
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], _greedy(4), use_tqdm=False)
     killed_at = []
 
@@ -126,7 +129,7 @@ RANK0 = """
 import sys, time
 from minivllm.engine import LLM
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=64)
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=64, dtype="float32")
     print(llm.llm_engine.runner.group.workers[0].pid, flush=True)
     time.sleep(120)
 """
@@ -153,14 +156,15 @@ def _free_port() -> int:
 
 def test_two_processes_over_tcp(small_folder, monkeypatch):
     "Rank 1 started on its own, as on another machine; rank 0 (this process) meets it through env://."
-    ref, _ = _run(small_folder, 1, 24, num_kv_blocks=256)
+    ref, _ = _run(small_folder, 1, 24, num_kv_blocks=256, dtype="float32")
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(small_folder), "--tensor-parallel-size", "2"]
+    cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(small_folder), "--tensor-parallel-size", "2",
+           "--dtype", "float32"]
     worker = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": "1"}, cwd=ROOT)
     try:
         for k, v in {**env, "RANK": "0"}.items():
             monkeypatch.setenv(k, v)
-        got, llm = _run(small_folder, 2, 24, num_kv_blocks=256)
+        got, llm = _run(small_folder, 2, 24, num_kv_blocks=256, dtype="float32")
         assert llm.llm_engine.runner.group.workers == []  # nothing spawned: the rank came by itself
         llm.shutdown()
         assert worker.wait(timeout=30) == 0  # told to stop, it left cleanly
@@ -169,6 +173,23 @@ def test_two_processes_over_tcp(small_folder, monkeypatch):
             worker.kill()
     print(f"over TCP: {sum(a == b for a, b in zip(ref, got))}/{len(ref)} prompts identical")
     assert got == ref
+
+
+def test_ranks_that_loaded_another_dtype_are_refused(small_folder, monkeypatch):
+    "A rank started by hand with its own --dtype: rank 0 refuses the group before the first step."
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(small_folder), "--tensor-parallel-size", "2",
+           "--dtype", "bfloat16"]
+    worker = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": "1"}, cwd=ROOT)
+    try:
+        for k, v in {**env, "RANK": "0"}.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(ModelLoadError, match="loaded the model differently.*float32.*bfloat16"):
+            LLM(str(small_folder), tensor_parallel_size=2, num_kv_blocks=64, dtype="float32")
+        assert worker.wait(timeout=30) is not None  # the group was closed: the worker did not stay behind
+    finally:
+        if worker.poll() is None:
+            worker.kill()
 
 
 def test_server_with_a_dead_worker_says_503_and_exits(small_folder, tmp_path):
@@ -229,8 +250,8 @@ def test_gguf_split_equals_one_rank(tmp_path):
         hf.lm_head.weight.mul_(40)
     path = tmp_path / "tiny.gguf"
     write_gguf(path, hf, "Q8_0")
-    ref, _ = _run(path, 1, 16, num_kv_blocks=256)
-    got, llm = _run(path, 2, 16, num_kv_blocks=256)
+    ref, _ = _run(path, 1, 16, num_kv_blocks=256, dtype="float32")
+    got, llm = _run(path, 2, 16, num_kv_blocks=256, dtype="float32")
     llm.shutdown()
     print(f"GGUF Q8_0 at N=2: {sum(a == b for a, b in zip(ref, got))}/{len(ref)} prompts identical")
     assert got == ref
