@@ -154,16 +154,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank1_by_hand(folder: Path, dtype: str, monkeypatch) -> subprocess.Popen:
+    "Start rank 1 on its own with its own flags, as on another machine, and set rank 0's env:// variables here."
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(folder), "--tensor-parallel-size", "2",
+           "--dtype", dtype]
+    worker = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": "1"}, cwd=ROOT)
+    for k, v in {**env, "RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    return worker
+
+
 def test_two_processes_over_tcp(small_folder, monkeypatch):
     "Rank 1 started on its own, as on another machine; rank 0 (this process) meets it through env://."
     ref, _ = _run(small_folder, 1, 24, num_kv_blocks=256, dtype="float32")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(small_folder), "--tensor-parallel-size", "2",
-           "--dtype", "float32"]
-    worker = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": "1"}, cwd=ROOT)
+    worker = _rank1_by_hand(small_folder, "float32", monkeypatch)
     try:
-        for k, v in {**env, "RANK": "0"}.items():
-            monkeypatch.setenv(k, v)
         got, llm = _run(small_folder, 2, 24, num_kv_blocks=256, dtype="float32")
         assert llm.llm_engine.runner.group.workers == []  # nothing spawned: the rank came by itself
         llm.shutdown()
@@ -177,13 +183,8 @@ def test_two_processes_over_tcp(small_folder, monkeypatch):
 
 def test_ranks_that_loaded_another_dtype_are_refused(small_folder, monkeypatch):
     "A rank started by hand with its own --dtype: rank 0 refuses the group before the first step."
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(small_folder), "--tensor-parallel-size", "2",
-           "--dtype", "bfloat16"]
-    worker = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": "1"}, cwd=ROOT)
+    worker = _rank1_by_hand(small_folder, "bfloat16", monkeypatch)
     try:
-        for k, v in {**env, "RANK": "0"}.items():
-            monkeypatch.setenv(k, v)
         with pytest.raises(ModelLoadError, match="loaded the model differently.*float32.*bfloat16"):
             LLM(str(small_folder), tensor_parallel_size=2, num_kv_blocks=64, dtype="float32")
         assert worker.wait(timeout=30) is not None  # the group was closed: the worker did not stay behind
