@@ -56,3 +56,15 @@ def tiny(tiny_folder):
     "The tiny model and its tokenizer, loaded once per test module."
     from minivllm.qwen2 import Tokenizer, load_safetensors_model
     return load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    "A real uvicorn server on loopback serving the tiny model as 'tiny' (a module may define its own `server`)."
+    from minivllm.engine import LLMEngine
+    from minivllm.server import BackgroundServer, build_app
+
+    model, tok = tiny
+    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=1024, max_num_seqs=16)
+    with BackgroundServer(build_app(engine, "tiny")) as srv:
+        yield srv

@@ -15,15 +15,6 @@ import torch
 
 import minivllm.bench as bench
 from minivllm.engine import LLMEngine
-from minivllm.server import BackgroundServer, build_app
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    model, tok = tiny
-    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=1024, max_num_seqs=16)
-    with BackgroundServer(build_app(engine, "tiny")) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("p", [0, 1, 37.5, 50, 99, 100])

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minivllm.engine import CompletionOutput, LLMEngine
-from minivllm.server import BackgroundServer, ResponseBuilder, build_app
+from minivllm.engine import CompletionOutput
+from minivllm.server import ResponseBuilder
 from minivllm.structured import StructuredOutputs, apply_grammar_masks
 from minivllm.tool_calls import (ToolCall, ToolCallError, ToolCallParser, check_tools, parse_tool_calls,
                                  resolve_tool_choice, tool_call_grammar)
@@ -143,14 +143,6 @@ def test_streamed_tool_call_deltas_equal_the_whole_message(tiny):
 
 
 # --- through a server: bad input is a 400, a grammar that ends or max_tokens ends the answer ----------------------
-@pytest.fixture(scope="module")
-def server(tiny):
-    model, tok = tiny
-    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=1024, max_num_seqs=16)
-    with BackgroundServer(build_app(engine, "tiny")) as srv:
-        yield srv
-
-
 MSG = [{"role": "user", "content": "hi"}]
 BAD = [
     ("a schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {
