@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import time
 import uuid
@@ -28,9 +29,9 @@ from minivllm.scheduler import (
 )
 
 # %% auto #0
-__all__ = ['parse_bytes', 'EngineArgs', 'Logprob', 'apply_penalties', 'filter_logits', 'Sampler', 'detokenize_incrementally',
-           'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch', 'ModelRunner', 'EngineStats',
-           'StepRecord', 'LLMEngine', 'LLM', 'main']
+__all__ = ['RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob', 'apply_penalties', 'filter_logits', 'Sampler',
+           'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch',
+           'ModelRunner', 'EngineStats', 'StepRecord', 'LLMEngine', 'release_free_memory', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -456,6 +457,7 @@ class LLMEngine:
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
         self.log_steps, self.step_log = a.log_steps, []
+        self.memory_released_at, self.num_memory_releases = time.monotonic(), 0  # release_memory, below
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -595,6 +597,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     self.num_steps += 1
     if self.log_steps:
         self._log(batch, time.perf_counter() - t0)
+    self.release_memory()  # 6. hand the C heap's free pages back to the OS, when idle or now and then
     return outputs
 
 # %% ../nbs/04_engine.ipynb #5c123d36
@@ -770,6 +773,39 @@ def _log(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
             seconds,
         )
     )
+
+# %% ../nbs/04_engine.ipynb #aee886fc
+RELEASE_EVERY_S = 10.0  # seconds between heap trims while the engine is busy
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    "glibc's `malloc_trim`, or None where the process's C library has none."
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def release_free_memory() -> bool:
+    "Hand the C heap's free pages back to the OS; False where there is no `malloc_trim` to call."
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
+
+
+@patch
+def release_memory(self: LLMEngine, force: bool = False) -> bool:
+    "Trim the heap if the engine is idle, if `RELEASE_EVERY_S` passed since the last trim, or if `force`."
+    now = time.monotonic()
+    if not (force or not self.requests or now - self.memory_released_at >= RELEASE_EVERY_S):
+        return False
+    self.memory_released_at = now
+    self.num_memory_releases += 1
+    return release_free_memory()
 
 # %% ../nbs/04_engine.ipynb #c20f8885
 class LLM:

@@ -27,7 +27,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .engine import EngineArgs, FlatBatch, LLMEngine, ModelRunner
+from minivllm.engine import (
+    RELEASE_EVERY_S,
+    EngineArgs,
+    FlatBatch,
+    LLMEngine,
+    ModelRunner,
+    release_free_memory,
+)
 from .paged_cache import BlockManager, BlockTable, KVCache, PagedBatch
 from minivllm.qwen2 import (
     ModelLoadError,
@@ -604,9 +611,10 @@ def all_reduce_seconds(group: TPGroup, shape: tuple[int, ...], repeats: int, dty
 
 # %% ../nbs/07_tensor_parallel.ipynb #75ea5795
 def serve(model: ShardedQwen2ForCausalLM, group: TPGroup) -> None:
-    "A worker's loop: run what rank 0 sends until it says stop."
+    "A worker's loop: run what rank 0 sends until it says stop; trim the heap as a busy engine does (04)."
     cache = None
     w = model.lm_head.weight
+    released_at = time.monotonic()
     while True:
         kind, payload = group.broadcast()
         if kind == "stop":
@@ -616,6 +624,9 @@ def serve(model: ShardedQwen2ForCausalLM, group: TPGroup) -> None:
             cache = KVCache(model.config, num_blocks, block_size, w.dtype, group.device)
         elif kind == "step":
             run_step(model, cache, payload, group.device)
+            if time.monotonic() - released_at >= RELEASE_EVERY_S:
+                release_free_memory()
+                released_at = time.monotonic()
         elif kind == "describe":
             group.all_gather_object(describe_rank(model, cache, group))
         elif kind == "time_all_reduce":

@@ -452,7 +452,7 @@ def test_help_explains_every_flag():
 
 
 OPENMP_POOL = """
-import os, sys, threading
+import os, sys, threading, time
 from minivllm.engine import EngineArgs, LLMEngine
 from minivllm.server import arg_parser, build_engine
 threads = lambda: len(os.listdir("/proc/self/task")) - threading.active_count()  # native threads (OpenMP's)
@@ -461,6 +461,9 @@ if sys.argv[1] == "server":
     build_engine(arg_parser().parse_args(["--num-kv-blocks", "64"]))
 else:  # what build_engine must not do: load in the main thread
     LLMEngine.from_engine_args(EngineArgs(num_kv_blocks=64))
+deadline = time.monotonic() + 3  # a finished thread's pool workers exit a few milliseconds after it
+while threads() != before and time.monotonic() < deadline:
+    time.sleep(0.005)
 print(before, threads())
 """
 
