@@ -24,13 +24,13 @@ from fastcore.basics import patch
 from tqdm.auto import tqdm
 
 # %% auto #0
-__all__ = ['DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED_SHA256', 'BUNDLED_SIZE',
-           'BUNDLED_PARTS', 'PACK_BATCH_HINT', 'HUB_PATTERNS', 'ModelLoadError', 'UnsupportedArchitecture',
-           'Qwen2Config', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'AttentionMetadata',
-           'causal_attention', 'ContiguousKVCache', 'ContiguousBatch', 'Qwen2Attention', 'Qwen2MLP',
-           'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM', 'greedy_generate', 'resolve_device', 'resolve_dtype',
-           'model_from_tensors', 'safetensors_files', 'load_safetensors_model', 'gguf_to_hf_name', 'open_gguf',
-           'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf',
+__all__ = ['SDPA_GQA', 'DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED_SHA256',
+           'BUNDLED_SIZE', 'BUNDLED_PARTS', 'PACK_BATCH_HINT', 'HUB_PATTERNS', 'ModelLoadError',
+           'UnsupportedArchitecture', 'Qwen2Config', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary',
+           'AttentionMetadata', 'causal_attention', 'ContiguousKVCache', 'ContiguousBatch', 'Qwen2Attention',
+           'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM', 'greedy_generate', 'resolve_device',
+           'resolve_dtype', 'model_from_tensors', 'safetensors_files', 'load_safetensors_model', 'gguf_to_hf_name',
+           'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf',
            'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir', 'assemble_bundled_gguf',
            'convert_gguf_to_folder', 'bundled_model_folder', 'packing_supported', 'PackedLinear', 'pack_linears',
            'resolve_model', 'load_model']
@@ -181,22 +181,27 @@ class AttentionMetadata(Protocol):
         ...
 
 
+# whether scaled_dot_product_attention takes enable_gqa (PyTorch 2.5 and later)
+SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     "Attention of `q` [n, Hq, D] over `k`/`v` [L, Hkv, D], the queries being the last n of the L positions."
-    n = q.shape[0]
-    L = k.shape[0]
-    groups = q.shape[1] // k.shape[1]  # query heads per K/V head
-    q = q.transpose(0, 1)  # [Hq, n, D]
-    k = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
-    v = v.transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
-    if n == 1:
-        o = F.scaled_dot_product_attention(q, k, v)  # one query sees everything
+    n, L = q.shape[0], k.shape[0]
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n or L, D]: SDPA's layout
+    if SDPA_GQA:  # each K/V head serves Hq / Hkv query heads, read where it lies
+        kw = {"enable_gqa": True}
+    else:  # PyTorch 2.4: copy each K/V head once per query head it serves
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [1, Hq, L, D]
+        kw = {}
+    if n == 1:  # one query sees everything
+        o = F.scaled_dot_product_attention(q, k, v, **kw)
     elif n == L:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     else:  # bottom-right aligned causal mask: query i sits at position L - n + i
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=L - n)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return o.transpose(0, 1)  # [n, Hq, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    return o[0].transpose(0, 1)  # [n, Hq, D]
 
 # %% ../nbs/01_qwen2.ipynb #2dc3b4b7
 class ContiguousKVCache:
