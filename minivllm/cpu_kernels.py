@@ -23,9 +23,11 @@ log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'Kernel', 'TIME_ROWS', 'TIME_MAX_ROWS', 'cpu_flags', 'cpu_has_bf16',
-           'quantize_int8', 'dequantize_int8', 'Int8Linear', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
-           'int4_supported', 'Int4Linear', 'kernel_candidates', 'time_kernels', 'choose_kernel', 'KernelReport',
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN',
+           'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
+           'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'int4_supported', 'Int4Linear', 'kernel_candidates', 'time_kernels', 'plan_of',
+           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'KernelReport',
            'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
@@ -98,6 +100,77 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, compute {self.scales.dtype}"
         )
+
+# %% ../nbs/01b_cpu_kernels.ipynb #94350d57
+SPLIT_LEVELS = (
+    127 * 128 + 63
+)  # the largest activation level: 127 steps of 128 in the high byte, 63 in the low
+
+
+def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Rows `x` [T, K] as two bytes a value, uint8 [2T, K] (high bytes, then low; 128 is 0), and scales [T, 1]."
+    x = x.float()
+    scale = (
+        x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / SPLIT_LEVELS
+    )  # [T, 1]: NaN or inf passes through
+    levels = torch.round(x / scale)  # [T, K] in -SPLIT_LEVELS..SPLIT_LEVELS
+    hi = torch.round(levels / 128)  # [T, K] in -127..127
+    parts = torch.cat([hi, levels - 128 * hi])  # [2T, K]: low bytes in -64..64
+    return parts.add_(128).to(torch.uint8), scale
+
+
+def join_rows(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    "The product [T, N] from the product of `split_rows`' bytes [2T, N] and its scales [T, 1]."
+    t = scale.shape[0]
+    return torch.add(y[t:], y[:t], alpha=128).mul_(scale)
+
+# %% ../nbs/01b_cpu_kernels.ipynb #ec49d939
+def _qlinear(parts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    "oneDNN's uint8 x int8 product: `(parts - 128) @ q.T * scales`, float32 [rows, N]."
+    zero = torch.zeros(1, dtype=torch.long)
+    return torch.ops.onednn.qlinear_pointwise(
+        parts, 1.0, 128, packed, scales, zero, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+
+
+@functools.cache
+def onednn_int8_supported() -> bool:
+    "Whether oneDNN's uint8 x int8 product runs here, exactly: VNNI or AMX, and PyTorch's `onednn` ops."
+    if not cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        return False
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(torch.full((16, 64), 127, dtype=torch.int8), None)
+        y = _qlinear(torch.full((2, 64), 255, dtype=torch.uint8), packed, torch.ones(16))
+        return bool((y == 127 * 127 * 64).all())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+# %% ../nbs/01b_cpu_kernels.ipynb #d4434ef7
+class Int8OneDNNLinear(nn.Module):
+    "int8 weights by activations split in two int8 bytes, on oneDNN's integer GEMM (VNNI or AMX)."
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)  # oneDNN's layout, opaque
+        self.qweight = nn.Parameter(packed, requires_grad=False)
+        self.scales = nn.Parameter(scale.float(), requires_grad=False)  # [N]
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> Int8OneDNNLinear:
+        "`lin` quantized to int8 (its bias kept as it is)."
+        return cls(*quantize_int8(lin.weight), lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts, scale = split_rows(x.reshape(-1, self.in_features))  # [2T, in], [T, 1]
+        y = join_rows(_qlinear(parts, self.qweight, self.scales), scale).to(x.dtype)  # [T, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)  # [..., out]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, activations in two bytes"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #e1b02b4a
 def int4_group_size(in_features: int, group_size: int = 32) -> int | None:
@@ -208,13 +281,13 @@ def kernel_candidates(
     if quantization == "int8" and lin.in_features % 16:  # the 16-bit int8 kernel reads 16 columns at a time
         computes = {"int8" if dtype == torch.float32 else "int8/fp32": torch.float32}
     if quantization == "int8":
-        return {k: functools.partial(Int8Linear.from_linear, compute_dtype=c) for k, c in computes.items()}
+        ks = {k: functools.partial(Int8Linear.from_linear, compute_dtype=c) for k, c in computes.items()}
+        return ks | ({"int8/onednn": Int8OneDNNLinear.from_linear} if onednn_int8_supported() else {})
     make = functools.partial(Int4Linear.from_linear, group_size=group_size)
     return {k: functools.partial(make, compute_dtype=c) for k, c in computes.items()}
 
 # %% ../nbs/01b_cpu_kernels.ipynb #35033569
-TIME_ROWS = (1, 32)  # rows per call timed: one user, and a typical batch
-TIME_MAX_ROWS = 8192  # output rows of the weight slice timed for larger tables
+TIME_ROWS = (1, 8, 32)  # rows per call timed: one user, a few, and a typical batch
 
 
 def _seconds(m: nn.Module, x: torch.Tensor) -> float:
@@ -223,49 +296,105 @@ def _seconds(m: nn.Module, x: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def time_kernels(mods: dict[str, nn.Module], in_features: int, dtype, rows=TIME_ROWS, repeats: int = 3):
-    "Seconds per call of each module summed over `rows`, best of `repeats`, taking turns (inf: dropped)."
-    xs = [torch.randn(r, in_features, dtype=dtype) for r in rows]  # [r, in] each
-    best = {name: [float("inf")] * len(xs) for name in mods}
+def time_kernels(
+    mods: dict[str, nn.Module], in_features: int, dtype, rows=TIME_ROWS, repeats: int = 3
+) -> dict[str, list[float]]:
+    "Seconds per call of each module at each of `rows`, best of `repeats`, taking turns (inf: dropped)."
+    best = {name: [float("inf")] * len(rows) for name in mods}
+    alive = list(mods)
     with torch.no_grad():
-        first = {name: _seconds(m, xs[-1]) for name, m in mods.items()}  # allocates: not a score
-        alive = [name for name in mods if first[name] <= 4 * min(first.values())]  # drop the hopeless
-        for _ in range(repeats):
+        for i, r in enumerate(rows):
+            x = torch.randn(r, in_features, dtype=dtype)  # [r, in]
             for name in alive:
-                for i, x in enumerate(xs):
+                mods[name](x)  # the first call at this size allocates and builds: not a score
+            for _ in range(repeats):
+                for name in alive:
                     best[name][i] = min(best[name][i], _seconds(mods[name], x))
-    return {name: sum(b) for name, b in best.items()}
-
-
-def _timing_slice(lin: nn.Linear) -> nn.Linear:
-    "`lin` itself, or a plain linear over its first TIME_MAX_ROWS output rows."
-    if lin.out_features <= TIME_MAX_ROWS:
-        return lin
-    part = nn.Linear(lin.in_features, TIME_MAX_ROWS, bias=lin.bias is not None, device="meta")
-    part.weight = nn.Parameter(lin.weight.detach()[:TIME_MAX_ROWS], requires_grad=False)
-    if lin.bias is not None:
-        part.bias = nn.Parameter(lin.bias.detach()[:TIME_MAX_ROWS], requires_grad=False)
-    return part
+            fastest = min(best[name][i] for name in alive)
+            alive = [name for name in alive if best[name][i] <= 4 * fastest]  # drop the hopeless
+    return best
 
 # %% ../nbs/01b_cpu_kernels.ipynb #203432b8
+Plan = list[tuple[int, str]]  # (from rows, kernel name), by rows: [(1, "int8"), (8, "int8/onednn")]
+
+
+PLAN_MARGIN = 1.1  # a second layout only for a kernel more than 10% faster at one row
+
+
+def plan_of(secs: dict[str, list[float]], rows=TIME_ROWS, two: bool = True) -> Plan:
+    "The winner at `rows[0]` and, if `two` and another wins at `rows[-1]`, that one from where it leads."
+    if not two:
+        return [(1, min(secs, key=lambda k: sum(secs[k])))]
+    few = min(secs, key=lambda k: secs[k][0])
+    many = min(secs, key=lambda k: secs[k][-1])
+    if secs[many][0] <= PLAN_MARGIN * secs[few][0]:  # near enough at one row: one layout, one kernel
+        few = many
+    if few == many:
+        return [(1, few)]
+    start = next(r for r, a, b in zip(rows, secs[few], secs[many]) if b < a)
+    return [(1, few), (start, many)]
+
+
+def plan_name(plan: Plan) -> str:
+    "'int8', or 'int8, int8/onednn from 8 rows'."
+    return " then ".join(name if r == 1 else f"{name} from {r} rows" for r, name in plan)
+
+
 def choose_kernel(
-    lin: nn.Linear, quantization: str | None = None, pack: bool | None = None, group_size: int = 32
-) -> tuple[str, dict[str, float]]:
-    "The fastest kernel for `lin` by name, and the seconds each candidate took (empty when only one)."
+    lin: nn.Linear, quantization: str | None = None, pack: bool | None = None, group_size: int = 32, two=True
+) -> tuple[Plan, dict[str, list[float]], dict[str, nn.Module]]:
+    "The plan for `lin` (see `plan_of`), each candidate's seconds per timed row count, `lin` in each kernel."
     kernels = kernel_candidates(lin, quantization, pack, group_size)
+    mods = {name: make(lin) for name, make in kernels.items()}
     if len(kernels) == 1:
-        return next(iter(kernels)), {}
-    part = _timing_slice(lin)
-    mods = {name: make(part) for name, make in kernels.items()}
+        return [(1, next(iter(kernels)))], {}, mods
     secs = time_kernels(mods, lin.in_features, lin.weight.dtype)
-    return min(secs, key=secs.get), secs
+    return plan_of(secs, two=two), secs, mods
+
+# %% ../nbs/01b_cpu_kernels.ipynb #b8e3a95b
+TWO_LAYOUTS_SHARE = 0.25  # two layouts while the linear weights take at most this share of available memory
+
+
+class ByRows(nn.Module):
+    "One layer in two kernels: `few` below `rows` rows per call, `many` from there on."
+
+    def __init__(self, few: nn.Module, many: nn.Module, rows: int):
+        super().__init__()
+        self.few, self.rows = few, rows
+        self.in_features, self.out_features = few.in_features, few.out_features
+        object.__setattr__(self, "many", many)  # not a submodule: see above
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.few if x.numel() < self.rows * self.in_features else self.many)(x)
+
+    def extra_repr(self) -> str:
+        return f"from {self.rows} rows: {self.many!r}"
+
+
+def available_memory() -> int | None:
+    "Bytes of memory available to new allocations (Linux's MemAvailable), or None where unknown."
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def two_layouts_fit(model: nn.Module) -> bool:
+    "Whether a second layout of every linear weight fits `TWO_LAYOUTS_SHARE` of the available memory."
+    avail = available_memory()
+    weights = sum(lin.weight.numel() * lin.weight.element_size() for _, _, lin in _linears(model))
+    return avail is not None and weights <= TWO_LAYOUTS_SHARE * avail
 
 # %% ../nbs/01b_cpu_kernels.ipynb #ffe8805e
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    "(parent, attribute, layer) for every plain `nn.Linear` of `model`."
+    "(parent, attribute, layer) for every plain `nn.Linear` of `model` (not those a `ByRows` already holds)."
     return [
         (parent, name, child)
         for parent in model.modules()
+        if type(parent) is not ByRows
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
@@ -285,14 +414,16 @@ def _layer_quantization(model: nn.Module, lin: nn.Linear, quantization: str | No
 # %% ../nbs/01b_cpu_kernels.ipynb #386075ca
 @dataclass
 class KernelReport:
-    "The kernel chosen per linear shape ('896x4864' -> 'onednn') and the seconds spent at load."
+    "The kernels chosen per linear shape ('896x4864' -> 'mkl then onednn from 8 rows'), the seconds at load."
 
     dtype: torch.dtype
     quantization: str | None
     choices: dict[str, str] = field(default_factory=dict)  # "outxin" -> kernel
-    timings: dict[str, dict[str, float]] = field(default_factory=dict)  # "outxin" -> kernel -> seconds
-    seconds_timing: float = 0.0  # spent timing candidates
-    seconds_building: float = 0.0  # spent quantizing / reordering the chosen kernels' weights
+    timings: dict[str, dict[str, list[float]]] = field(
+        default_factory=dict
+    )  # "outxin" -> kernel -> s per rows
+    seconds_timing: float = 0.0  # spent building and timing the candidates (first layer of each shape)
+    seconds_building: float = 0.0  # spent quantizing / reordering the other layers
 
     @property
     def line(self) -> str:
@@ -305,30 +436,45 @@ class KernelReport:
         return f"minivllm: linear kernels (cpu, {mode}): {shapes} ({cost})"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #8c8d8daf
+def _build(plan: Plan, mods: dict[str, nn.Module]) -> nn.Module:
+    "The layer `mods` hold in each kernel, as the plan says: one of them, or a `ByRows` of two."
+    if len(plan) == 1:
+        return mods[plan[0][1]]
+    (_, few), (rows, many) = plan
+    return ByRows(mods[few], mods[many], rows)
+
+
 def prepare_linears(
-    model: nn.Module, quantization: str | None = None, pack: bool | None = None, group_size: int = 32
+    model: nn.Module,
+    quantization: str | None = None,
+    pack: bool | None = None,
+    group_size: int = 32,
+    two_layouts: bool | None = None,
 ) -> KernelReport:
-    "Swap every `nn.Linear` for the fastest kernel measured on this CPU (quantized if asked), in place."
+    "Swap every `nn.Linear` for the fastest kernels measured on this CPU (quantized if asked), in place."
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} unknown: use int8 or int4")
     todo = _linears(model)
     if not todo:
         return KernelReport(torch.float32, quantization)
     report = KernelReport(todo[0][2].weight.dtype, quantization)
-    kernels: dict[tuple, tuple[str, Kernel]] = {}
+    two = two_layouts_fit(model) if two_layouts is None else two_layouts
+    plans: dict[tuple, Plan] = {}
     for parent, name, lin in todo:
         q = _layer_quantization(model, lin, quantization)
         key = (q, lin.out_features, lin.in_features)
-        if key not in kernels:
-            t0 = time.perf_counter()
-            best, secs = choose_kernel(lin, q, pack, group_size)
-            report.seconds_timing += time.perf_counter() - t0
-            kernels[key] = best, kernel_candidates(lin, q, pack, group_size)[best]
-            report.choices[f"{lin.out_features}x{lin.in_features}"] = best
-            report.timings[f"{lin.out_features}x{lin.in_features}"] = secs
         t0 = time.perf_counter()
         with torch.no_grad():
-            setattr(parent, name, kernels[key][1](lin))
+            if key in plans:  # a shape decided before: build this layer in its plan's kernels
+                kernels = kernel_candidates(lin, q, pack, group_size)
+                mods = {k: kernels[k](lin) for _, k in plans[key]}
+            else:  # the first layer of its shape: timed in every candidate, which its plan keeps
+                plans[key], secs, mods = choose_kernel(lin, q, pack, group_size, two)
+                report.seconds_timing += time.perf_counter() - t0
+                report.choices[f"{lin.out_features}x{lin.in_features}"] = plan_name(plans[key])
+                report.timings[f"{lin.out_features}x{lin.in_features}"] = secs
+                t0 = time.perf_counter()
+            setattr(parent, name, _build(plans[key], mods))
         report.seconds_building += time.perf_counter() - t0
     head, emb = getattr(model, "lm_head", None), _embedding(model)
     if head is not None and emb is not None and not hasattr(head, "weight"):

@@ -56,6 +56,11 @@ def tiny(seed=0, dtype=torch.float32, **kw) -> Qwen2ForCausalLM:
     return m.to(dtype).eval()
 
 
+def kinds(layer: nn.Module) -> set[type]:
+    "The kernel classes a layer computes with: its own, or both of a `ByRows`."
+    return {type(layer.few), type(layer.many)} if type(layer) is ck.ByRows else {type(layer)}
+
+
 def logits(model, ids):
     meta = ContiguousKVCache(model.config.num_hidden_layers).batch([0], [len(ids)])
     with torch.no_grad():
@@ -142,6 +147,57 @@ def test_int4_linear_matches_dequantized_reference(dtype, shape, group):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# int8 x int8 on oneDNN, activations split in two bytes
+
+
+@given(rows=st.integers(1, 5), scale=st.floats(1e-3, 1e3), outlier=st.floats(-500, 500))
+@settings(max_examples=30, deadline=None)
+def test_split_rows_round_trip(rows, scale, outlier):
+    x = torch.randn(rows, 96) * scale
+    x[:, 7] = outlier * scale
+    parts, s = ck.split_rows(x)
+    assert parts.dtype == torch.uint8 and parts.shape == (2 * rows, 96) and s.shape == (rows, 1)
+    assert (parts[:rows] >= 1).all() and (parts[rows:] >= 64).all() and (parts[rows:] <= 192).all()
+    back = ck.join_rows(parts.float() - 128, s)
+    assert ((back - x).abs() <= s / 2 * 1.001 + 1e-30).all()
+
+
+def test_split_rows_keeps_non_finite_rows_non_finite():
+    x = torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [float("inf"), 1.0], [0.0, 0.0]])
+    parts, s = ck.split_rows(x)
+    assert (parts[[3, 7]] == 128).all()  # a row of zeros: both bytes at zero
+    y = ck.join_rows(torch.ones(8, 3), s)
+    assert not y[1].isfinite().any() and not y[2].isfinite().any() and y[0].isfinite().all() and y[3].isfinite().all()
+
+
+@pytest.mark.skipif(not ck.onednn_int8_supported(), reason="no VNNI/AMX int8 product on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_f,out_f", [(64, 48), (40, 24), (896, 300)])
+def test_onednn_int8_linear_matches_dequantized(dtype, in_f, out_f):
+    torch.manual_seed(in_f)
+    lin = nn.Linear(in_f, out_f).to(dtype)
+    ql = ck.Int8OneDNNLinear.from_linear(lin)
+    x = (torch.randn(3, 7, in_f) * 3).to(dtype)
+    q, scale = quantize_int8(lin.weight)
+    with torch.no_grad():
+        ref = F.linear(x.float(), dequantize_int8(q, scale), lin.bias.float())
+        got = ql(x)
+    assert got.shape == (3, 7, out_f) and got.dtype == dtype
+    assert rel(got, ref) <= {torch.float32: 1e-3, torch.bfloat16: 2e-2}[dtype]
+    # against the bfloat16 int8 kernel, which rounds the activations to bfloat16: the split is closer
+    if dtype == torch.float32 and in_f % 16 == 0:
+        bf = Int8Linear(q, scale, lin.bias, torch.bfloat16)
+        with torch.no_grad():
+            assert rel(got, ref) < rel(bf(x.bfloat16()), ref)
+
+
+def test_onednn_int8_probe_is_a_bool():
+    assert isinstance(ck.onednn_int8_supported(), bool)
+    if not ck.cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        assert not ck.onednn_int8_supported()  # without VNNI the u8 x s8 pairs can saturate: never offered
+
+
+# ----------------------------------------------------------------------------------------------------------
 # candidates and the choice
 
 
@@ -150,29 +206,50 @@ def test_candidates_per_format():
     float_names = set(kernel_candidates(lin))
     assert ("onednn" in float_names) == packing_supported(torch.float32) and len(float_names) >= 1
     assert len(kernel_candidates(lin, pack=False)) == 1
-    assert list(kernel_candidates(lin, "int8")) == ["int8", "int8/bf16"]  # float32 model: bf16 compute too
+    onednn = ["int8/onednn"] if ck.onednn_int8_supported() else []  # int8 x int8 where VNNI or AMX
+    assert list(kernel_candidates(lin, "int8")) == ["int8", "int8/bf16", *onednn]  # float32: bf16 compute too
     assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4"]
-    assert list(kernel_candidates(nn.Linear(64, 40), "int4")) == ["int8", "int8/bf16"]  # refused shape: int8
+    assert list(kernel_candidates(nn.Linear(64, 40), "int4")) == ["int8", "int8/bf16", *onednn]  # refused: int8
     if not packing_supported(torch.bfloat16):
         with pytest.raises(ValueError, match="oneDNN cannot pack bfloat16"):
             kernel_candidates(lin.bfloat16(), pack=True)
 
 
 def test_choice_is_the_fastest_measured(monkeypatch):
-    fake = {"int8": 3.0, "int8/bf16": 1.0}
-    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake[n] for n in mods})
-    assert ck.choose_kernel(nn.Linear(64, 48), "int8") == ("int8/bf16", fake)
-    fake = {"int8": 0.5, "int8/bf16": 1.0}
-    assert ck.choose_kernel(nn.Linear(64, 48), "int8")[0] == "int8"
-    assert ck.choose_kernel(nn.Linear(64, 48), pack=False)[1] == {}  # one candidate: nothing timed
+    fake = {"int8": [3.0, 4.0, 5.0], "int8/bf16": [1.0, 2.0, 3.0]}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [9.0] * 3) for n in mods})
+    plan, secs, mods = ck.choose_kernel(nn.Linear(64, 48), "int8")
+    assert plan == [(1, "int8/bf16")] and secs["int8"] == fake["int8"] and set(mods) == set(secs)
+    fake = {"int8": [0.5, 4.0, 9.0], "int8/bf16": [1.0, 2.0, 3.0]}  # one wins at one row, the other at 8 and 32
+    assert ck.choose_kernel(nn.Linear(64, 48), "int8")[0] == [(1, "int8"), (8, "int8/bf16")]
+    assert ck.choose_kernel(nn.Linear(64, 48), "int8", two=False)[0] == [(1, "int8/bf16")]  # least summed
+    plan, secs, mods = ck.choose_kernel(nn.Linear(64, 48), pack=False)
+    assert secs == {} and len(mods) == 1  # one candidate: nothing timed
 
 
 def test_time_kernels_gives_every_candidate_a_score():
-    lin = nn.Linear(64, 20000)  # timed on a slice of TIME_MAX_ROWS rows
-    part = ck._timing_slice(lin)
-    assert tuple(part.weight.shape) == (ck.TIME_MAX_ROWS, 64) and part.weight.data_ptr() == lin.weight.data_ptr()
-    secs = ck.time_kernels({n: make(part) for n, make in kernel_candidates(lin, "int8").items()}, 64, torch.float32)
-    assert set(secs) == {"int8", "int8/bf16"} and min(secs.values()) > 0
+    lin = nn.Linear(64, 2000)
+    secs = ck.time_kernels({n: make(lin) for n, make in kernel_candidates(lin, "int8").items()}, 64, torch.float32)
+    assert {"int8", "int8/bf16"} <= set(secs) and all(len(v) == len(ck.TIME_ROWS) for v in secs.values())
+    assert all(0 < min(v[i] for v in secs.values()) < float("inf") for i in range(len(ck.TIME_ROWS)))
+
+
+def test_two_layouts_by_rows():
+    torch.manual_seed(0)
+    m = tiny()
+    x = torch.randn(40, 64)
+    ref = {r: m.model.layers[0].mlp.up_proj(x[:r]) for r in (1, 40)}
+    plan = [(1, "int8"), (8, "mkl")]
+    mods = {"int8": ck.Int8Linear.from_linear(m.model.layers[0].mlp.up_proj), "mkl": m.model.layers[0].mlp.up_proj}
+    layer = ck._build(plan, mods)
+    assert type(layer) is ck.ByRows and layer.rows == 8 and layer.many is mods["mkl"]
+    assert [n for n, _ in layer.named_parameters()] == ["few.qweight", "few.scales"]  # the second layout: not counted
+    with torch.no_grad():
+        assert rel(layer(x[:1]), ref[1]) <= 0.03 and (layer(x[:1]) != ref[1]).any()  # 1 row: int8
+        assert torch.equal(layer(x), ref[40])  # 40 rows: the float layer itself
+    m2 = tiny()
+    report = prepare_linears(m2, "int8", two_layouts=False)
+    assert not any(type(x) is ck.ByRows for x in m2.modules()) and "then" not in report.line
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -184,7 +261,7 @@ def test_measured_float_kernels_keep_the_logits(dtype):
     ref = logits(tiny(dtype=dtype), IDS)
     m = tiny(dtype=dtype)
     report = prepare_linears(m)
-    assert all(type(x) in (nn.Linear, PackedLinear) for x in m.modules() if hasattr(x, "in_features"))
+    assert all(type(x) in (nn.Linear, PackedLinear, ck.ByRows) for x in m.modules() if hasattr(x, "in_features"))
     assert rel(logits(m, IDS), ref) <= {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     assert set(report.choices) == {"64x64", "32x64", "128x64", "64x128", "261x64"}
 
@@ -199,10 +276,11 @@ def test_quantized_model_close_to_float(quantization, limit, tied, caplog):
     got = logits(m, IDS)
     assert rel(got, ref) <= limit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-    layer = Int4Linear if quantization == "int4" else Int8Linear
-    assert type(m.model.layers[0].mlp.down_proj) is layer and type(m.model.layers[1].self_attn.k_proj) is layer
+    int8 = {Int8Linear, ck.Int8OneDNNLinear}
+    layers = {Int4Linear} if quantization == "int4" else int8
+    assert kinds(m.model.layers[0].mlp.down_proj) <= layers and kinds(m.model.layers[1].self_attn.k_proj) <= layers
     # an int8 head, tied or not; the embedding keeps the float table, and `weight` still answers the dtype
-    assert type(m.lm_head) is Int8Linear and m.lm_head.weight.dtype == torch.float32
+    assert kinds(m.lm_head) <= int8 and m.lm_head.weight.dtype == torch.float32
     assert m.lm_head.weight.shape == m.model.embed_tokens.weight.shape
     assert all(p is not m.lm_head.weight for p in m.parameters())
     assert m.model.embed_tokens.weight.dtype == torch.float32
@@ -238,7 +316,7 @@ def test_load_model_quantizes_and_the_engine_runs(tiny_folder, quantization):
     plain = load_safetensors_model(tiny_folder, "float32", "cpu")
     m, tok = load_model(tiny_folder, "float32", "cpu", quantization=quantization)
     assert rel(logits(m, IDS), logits(plain, IDS)) <= 0.15
-    assert any(type(x) in (Int8Linear, Int4Linear) for x in m.modules())
+    assert any(type(x) in (Int8Linear, Int4Linear, ck.Int8OneDNNLinear) for x in m.modules())
     eng = LLMEngine(m, tok, num_kv_blocks=16)
     assert eng.cache.k.dtype == torch.float32  # the KV cache in the activations' dtype, not int8
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
@@ -256,7 +334,7 @@ def test_load_model_gguf_quantized(tmp_path):
     write_gguf(path, tiny_hf(0), "Q8_0")
     plain, _ = load_model(path, "float32", "cpu", pack=False)
     m, _ = load_model(path, "float32", "cpu", quantization="int8")
-    assert type(m.model.layers[0].mlp.up_proj) is Int8Linear
+    assert kinds(m.model.layers[0].mlp.up_proj) <= {Int8Linear, ck.Int8OneDNNLinear}
     assert rel(logits(m, IDS % 256), logits(plain, IDS % 256)) <= 0.03
     assert gguf is not None
 
