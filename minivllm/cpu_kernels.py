@@ -102,17 +102,15 @@ class Int8Linear(nn.Module):
         )
 
 # %% ../nbs/01b_cpu_kernels.ipynb #94350d57
-SPLIT_LEVELS = (
-    127 * 128 + 63
-)  # the largest activation level: 127 steps of 128 in the high byte, 63 in the low
+# the largest activation level: 127 steps of 128 in the high byte, 63 in the low
+SPLIT_LEVELS = 127 * 128 + 63
 
 
 def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Rows `x` [T, K] as two bytes a value, uint8 [2T, K] (high bytes, then low; 128 is 0), and scales [T, 1]."
     x = x.float()
-    scale = (
-        x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / SPLIT_LEVELS
-    )  # [T, 1]: NaN or inf passes through
+    # [T, 1]; a NaN or an infinity in a row makes its scale NaN or infinite, and so its products
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / SPLIT_LEVELS
     levels = torch.round(x / scale)  # [T, K] in -SPLIT_LEVELS..SPLIT_LEVELS
     hi = torch.round(levels / 128)  # [T, K] in -127..127
     parts = torch.cat([hi, levels - 128 * hi])  # [2T, K]: low bytes in -64..64
@@ -125,11 +123,13 @@ def join_rows(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.add(y[t:], y[:t], alpha=128).mul_(scale)
 
 # %% ../nbs/01b_cpu_kernels.ipynb #ec49d939
+_WEIGHT_ZERO = torch.zeros(1, dtype=torch.long)  # the int8 weights are symmetric: zero point 0
+
+
 def _qlinear(parts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     "oneDNN's uint8 x int8 product: `(parts - 128) @ q.T * scales`, float32 [rows, N]."
-    zero = torch.zeros(1, dtype=torch.long)
     return torch.ops.onednn.qlinear_pointwise(
-        parts, 1.0, 128, packed, scales, zero, None, 1.0, 0, torch.float32, "none", [], ""
+        parts, 1.0, 128, packed, scales, _WEIGHT_ZERO, None, 1.0, 0, torch.float32, "none", [], ""
     )
 
 
@@ -331,12 +331,12 @@ def plan_of(secs: dict[str, list[float]], rows=TIME_ROWS, two: bool = True) -> P
         few = many
     if few == many:
         return [(1, few)]
-    start = next(r for r, a, b in zip(rows, secs[few], secs[many]) if b < a)
+    start = next((r for r, a, b in zip(rows, secs[few], secs[many]) if b < a), rows[-1])
     return [(1, few), (start, many)]
 
 
 def plan_name(plan: Plan) -> str:
-    "'int8', or 'int8, int8/onednn from 8 rows'."
+    "'int8', or 'int8 then int8/onednn from 8 rows'."
     return " then ".join(name if r == 1 else f"{name} from {r} rows" for r, name in plan)
 
 
@@ -419,9 +419,8 @@ class KernelReport:
     dtype: torch.dtype
     quantization: str | None
     choices: dict[str, str] = field(default_factory=dict)  # "outxin" -> kernel
-    timings: dict[str, dict[str, list[float]]] = field(
-        default_factory=dict
-    )  # "outxin" -> kernel -> s per rows
+    # "outxin" -> kernel -> seconds at each of TIME_ROWS
+    timings: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     seconds_timing: float = 0.0  # spent building and timing the candidates (first layer of each shape)
     seconds_building: float = 0.0  # spent quantizing / reordering the other layers
 
