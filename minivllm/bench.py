@@ -34,10 +34,10 @@ from .qwen2 import Qwen2ForCausalLM, Tokenizer, assemble_bundled_gguf, load_mode
 __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
            'results_dir', 'load_result', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'offline_benchmark',
            'print_table', 'decode_profile', 'memory_bandwidth', 'decode_bytes_per_step', 'serve_benchmark',
-           'print_serving', 'server_process', 'compare_servers', 'Mode', 'parse_mode', 'Clock', 'kernel_info',
-           'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd', 'ours_server_cmd', 'engine_flags',
-           'ServerRun', 'serve_runs', 'cpu_summary', 'print_cpu_summary', 'shared_prefix_benchmark',
-           'long_prompt_benchmark', 'main']
+           'serving_metrics', 'print_serving', 'server_process', 'bench_prompts', 'compare_servers', 'Mode',
+           'parse_mode', 'Clock', 'kernel_info', 'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd',
+           'ours_server_cmd', 'engine_flags', 'ServerRun', 'serve_runs', 'one_user_pairs', 'cpu_summary',
+           'print_cpu_summary', 'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #ac1e0a3a
 CPU_FLAGS = (
@@ -516,7 +516,11 @@ def serve_benchmark(
 ) -> dict:  # fmt: skip
     "Drive an OpenAI-compatible server; returns vLLM-style serving metrics."
     args = (base_url, model, prompts, max_tokens, request_rate, max_concurrency, seed, api_key, progress)
-    results, dur = asyncio.run(_serve_benchmark(*args))
+    return serving_metrics(*asyncio.run(_serve_benchmark(*args)))
+
+
+def serving_metrics(results: list[dict], dur: float) -> dict:
+    "vLLM's serving metrics of requests' `results` that took `dur` seconds in all."
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     tpot = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
@@ -585,6 +589,15 @@ def server_process(cmd: list[str], base_url: str, timeout: float = 900.0, log: P
             out.close()
 
 # %% ../nbs/06_benchmarks.ipynb #7b195032
+def bench_prompts(
+    n: int, seed: int = 0, min_tokens: int = 16, max_tokens: int = 128
+) -> tuple[list[str], list[int]]:
+    "`n` prompts and their output lengths; the first ones the same for any `n`."
+    rng = random.Random(seed)
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+    return prompts, [rng.randint(min_tokens, max_tokens) for _ in prompts]
+
+
 def _log_path(log_dir: Path | None, name: str) -> Path | None:
     "The file a server named `name` logs to in `log_dir` (None: no log)."
     return Path(log_dir) / (re.sub(r"[^\w.-]+", "_", name) + ".log") if log_dir else None
@@ -596,10 +609,8 @@ def compare_servers(
     warmup_tokens: int = 4,
 ) -> list[dict]:  # fmt: skip
     "servers: name -> (command, base URL). `serve_benchmark` on each, `num_prompts(c)` prompts at each c."
-    rng = random.Random(seed)
     num_prompts = num_prompts or (lambda c: max(4, 2 * c))
-    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(max(map(num_prompts, concurrencies)))]
-    lens = [rng.randint(min_tokens, max_tokens) for _ in prompts]  # the same first lengths for any count
+    prompts, lens = bench_prompts(max(map(num_prompts, concurrencies)), seed, min_tokens, max_tokens)
     rows = []
     for name, (cmd, url) in servers.items():
         with server_process(cmd, url, log=_log_path(log_dir, name)) as model:
@@ -879,6 +890,55 @@ def serve_runs(
         rows += [{**r, **run.fields} for r in got]
     return records, rows
 
+# %% ../nbs/06_benchmarks.ipynb #df818c0d
+def _free_port() -> int:
+    "A TCP port on the loopback that nothing listens on now."
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed_one(run: ServerRun, model: str, prompt: str, max_tokens: int) -> tuple[list[dict], float]:
+    "One request, alone, to `run`'s server: its result and its seconds."
+    return asyncio.run(
+        _serve_benchmark(run.url, model, [prompt], [max_tokens], float("inf"), 1, 0, None, False)
+    )
+
+
+def one_user_pairs(
+    ref: ServerRun, runs: list[ServerRun], prompts: list[str], lens: list[int], log_dir: Path | None = None,
+    say=print, warmup_tokens: int = 4,
+) -> list[dict]:  # fmt: skip
+    "`ref` up, each of `runs` beside it in turn: every prompt to both, the order alternating; 2 rows a pair."
+    rows = []
+    with server_process(ref.cmd, ref.url, log=_log_path(log_dir, ref.name + " paired")) as ref_model:
+        _timed_one(ref, ref_model, prompts[0], warmup_tokens)
+        for run in runs:
+            say(f"{run.name} beside {ref.name}, one user: starting")
+            got: dict[str, tuple[list[dict], float]] = {ref.name: ([], 0.0), run.name: ([], 0.0)}
+            try:
+                with server_process(run.cmd, run.url, log=_log_path(log_dir, run.name + " paired")) as model:
+                    _timed_one(run, model, prompts[0], warmup_tokens)
+                    pair = [(ref, ref_model), (run, model)]
+                    for i, (prompt, n) in enumerate(zip(prompts, lens)):
+                        for r, m in pair if i % 2 == 0 else pair[::-1]:
+                            res, dur = _timed_one(r, m, prompt, n)
+                            got[r.name] = (got[r.name][0] + res, got[r.name][1] + dur)
+            except Exception as e:  # this one cannot run here: said, and the next runs
+                say(f"{run.name}: not run beside {ref.name}, {type(e).__name__}: {e}")
+                continue
+            for r, other in ((run, ref), (ref, run)):
+                rows.append({
+                    "server": r.name, "concurrency": 1, "prompts": len(prompts),
+                    "requested_tokens": sum(lens), "paired_with": other.name,
+                    **serving_metrics(*got[r.name]), **r.fields,
+                })  # fmt: skip
+            ours, theirs = rows[-2]["output_throughput"], rows[-1]["output_throughput"]
+            say(f"  {run.name} {ours:.1f} tok/s beside {ref.name} {theirs:.1f} tok/s: {ours / theirs:.2f}x")
+    return rows
+
 # %% ../nbs/06_benchmarks.ipynb #b76d52f5
 def _best_llama(serving: list[dict]) -> dict[int, dict]:
     "llama.cpp's row with the most output tokens/s at each concurrency (its best slot setting there)."
@@ -895,6 +955,12 @@ def cpu_summary(res: dict) -> list[dict]:
     off = {(r["mode"], r["concurrency"]): r for r in res["offline"]}
     ours = {(r["mode"], r["concurrency"]): r for r in res["serving"] if r["engine"] == "mini-vLLM"}
     llama = _best_llama(res["serving"])
+    beside = {r["paired_with"]: r for r in res.get("paired", []) if r["engine"] == "llama.cpp"}
+    paired = {  # mode -> our tokens/s over llama-server's, one user, side by side (`one_user_pairs`)
+        r["mode"]: r["output_throughput"] / beside[r["server"]]["output_throughput"]
+        for r in res.get("paired", [])
+        if r["engine"] == "mini-vLLM" and r["server"] in beside
+    }
     cs = sorted({c for _, c in [*off, *ours]})
     out = []
     for mode in dict.fromkeys(m["mode"] for m in res["modes"]):
@@ -911,6 +977,7 @@ def cpu_summary(res: dict) -> list[dict]:
             row.update(llama_slots=ll.get("slots"), same_as_float32=o.get("float32_prefix_share"))
             both = s and ll
             row["vs_llama"] = s["output_throughput"] / ll["output_throughput"] if both else None
+            row["vs_llama_paired"] = paired.get(mode) if c == 1 else None
             out.append(row)
     return out
 
@@ -922,8 +989,21 @@ def _fmt(v, spec: str, width: int) -> str:
 
 def print_cpu_summary(res: dict) -> None:
     "The side-by-side table of `cpu_summary`, tokens/s and ratios."
-    head = ("mode", "c", "ours", "HF", "x HF", "identical", "as f32", "served", "llama", "-np", "x llama")
-    widths = (15, 4, 8, 8, 7, 10, 7, 8, 8, 4, 8)
+    head = (
+        "mode",
+        "c",
+        "ours",
+        "HF",
+        "x HF",
+        "identical",
+        "as f32",
+        "served",
+        "llama",
+        "-np",
+        "x llama",
+        "paired",
+    )
+    widths = (15, 4, 8, 8, 7, 10, 7, 8, 8, 4, 8, 8)
     print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(head, widths))))
     for r in cpu_summary(res):
         same = None if r["identical"] is None else f"{r['identical']}/{r['requests']}"
@@ -933,6 +1013,7 @@ def print_cpu_summary(res: dict) -> None:
             _fmt(r["same_as_float32"], ".2f", 7), _fmt(r["served_tok_s"], ".1f", 8),
             _fmt(r["llama_tok_s"], ".1f", 8), _fmt(r["llama_slots"], "d", 4),
             _fmt(r["vs_llama"], ".2f", 7) + ("x" if r["vs_llama"] else " "),
+            _fmt(r["vs_llama_paired"], ".2f", 7) + ("x" if r["vs_llama_paired"] else " "),
         ]  # fmt: skip
         print(f"{r['mode']:<15}" + "".join(cells))
 
@@ -1090,6 +1171,12 @@ def _cpu_parser(sub) -> None:
     )
     cpu.add_argument("--llama-runs", nargs="+", default=None, help="SLOTS:CONCURRENCY (default: slots = c)")
     cpu.add_argument(
+        "--paired-prompts",
+        type=int,
+        default=6,
+        help="one user beside llama-server: prompts per mode (0: skip)",
+    )
+    cpu.add_argument(
         "--gguf", default=None, help="the file llama-server serves (default: the bundled model's)"
     )
     cpu.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server's context per slot")
@@ -1184,30 +1271,23 @@ def _per_concurrency(values: list[int], concurrency: list[int], flag: str) -> di
         raise SystemExit(f"{flag}: give one value, or one per --concurrency ({len(concurrency)})")
     return dict(zip(concurrency, values))
 
-
-def _free_port() -> int:
-    "A TCP port on the loopback that nothing listens on now."
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 # %% ../nbs/06_benchmarks.ipynb #f1d5c544
+def _llama_run(a: argparse.Namespace, slots: int, concurrencies: list[int]) -> ServerRun:
+    "llama-server with `slots` slots on the GGUF of `--gguf` (default: the bundled model's), on a fresh port."
+    port, gguf = _free_port(), a.gguf or assemble_bundled_gguf()
+    cmd = llama_server_cmd(a.llama_server, gguf, port, slots, a.ctx_per_slot, a.threads)
+    fields = {"engine": "llama.cpp", "slots": slots, "threads": a.threads, "mode": None}
+    return ServerRun(f"llama.cpp -np {slots}", cmd, f"http://127.0.0.1:{port}/v1", concurrencies, fields)
+
+
 def _server_runs(a: argparse.Namespace, modes: list[Mode], args: EngineArgs) -> list[ServerRun]:
     "llama-server at each (slots, concurrencies) of `--llama-runs`, then our server in each mode."
     runs, slots = [], {}
     for spec in a.llama_runs or [f"{c}:{c}" for c in a.concurrency]:
         n, c = map(int, spec.split(":"))
         slots.setdefault(n, []).append(c)
-    gguf = (a.gguf or assemble_bundled_gguf()) if a.llama_server else None
-    for n, cs in slots.items():
-        if gguf is None:
-            break  # no llama-server given: ours only
-        port = _free_port()
-        cmd = llama_server_cmd(a.llama_server, gguf, port, n, a.ctx_per_slot, a.threads)
-        fields = {"engine": "llama.cpp", "slots": n, "threads": a.threads, "mode": None}
-        runs.append(ServerRun(f"llama.cpp -np {n}", cmd, f"http://127.0.0.1:{port}/v1", cs, fields))
+    for n, cs in slots.items() if a.llama_server else ():  # no llama-server given: ours only
+        runs.append(_llama_run(a, n, cs))
     for mode in modes:
         port = _free_port()
         cmd = ours_server_cmd(mode, port, engine_flags(args))
@@ -1242,6 +1322,11 @@ def _cpu(a: argparse.Namespace) -> dict:
     if a.serving:
         work = (serve, a.seed, *a.serve_tokens, log_dir, clock.say)
         servers, serving = serve_runs(_server_runs(a, modes, args), *work)
+    paired = []
+    if a.serving and a.paired_prompts and a.llama_server:  # one user, each mode beside llama-server
+        ours = [r for r in _server_runs(a, modes, args) if r.fields["engine"] == "mini-vLLM"]  # fresh ports
+        prompts, lens = bench_prompts(a.paired_prompts, a.seed, *a.serve_tokens)
+        paired = one_user_pairs(_llama_run(a, 1, [1]), ours, prompts, lens, log_dir, clock.say)
     clock.say(f"done; load average {os.getloadavg()[0]:.2f}")
     return {
         "preliminary": a.preliminary,
@@ -1252,6 +1337,7 @@ def _cpu(a: argparse.Namespace) -> dict:
         "offline": rows,
         "servers": servers,
         "serving": serving,
+        "paired": paired,
     }
 
 # %% ../nbs/06_benchmarks.ipynb #f44e4278

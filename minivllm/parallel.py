@@ -43,6 +43,7 @@ from minivllm.qwen2 import (
     Tokenizer,
     _iter_gguf,
     gguf_model_config,
+    merge_projections,
     open_gguf,
     pack_linears,
     packing_supported,
@@ -338,6 +339,7 @@ def load_sharded_model(
         tensors = _safetensors_shards(safetensors_files(path), plan)
         tok = Tokenizer.from_folder(path)
     m = sharded_model_from_tensors(plan, group, tensors, dtype, group.device, str(path))
+    merge_projections(m)  # this rank's q/k/v and gate/up slices, stacked: each rank splits its own heads back
     if pack is None:
         pack = group.device.type == "cpu" and packing_supported(dtype)
     if pack:

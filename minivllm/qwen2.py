@@ -33,7 +33,7 @@ __all__ = ['SDPA_GQA', 'DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENI
            'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf',
            'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir', 'assemble_bundled_gguf',
            'convert_gguf_to_folder', 'bundled_model_folder', 'packing_supported', 'PackedLinear', 'pack_linears',
-           'resolve_model', 'load_model']
+           'resolve_model', 'merge_projections', 'load_model']
 
 # %% ../nbs/01_qwen2.ipynb #8e70992d
 class ModelLoadError(ValueError):
@@ -257,14 +257,20 @@ class Qwen2Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=True)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one product, once `merge_projections` ran
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        "q, k and v of `x` [T, hidden] side by side: [T, (Hq + 2 Hkv) D]."
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.hq, self.d)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.hkv, self.d)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.hkv, self.d)  # [T, Hkv, D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)  # rotated once, before caching: cached keys keep their positions
+        qkv = self.project(x).view(T, self.hq + 2 * self.hkv, self.d)  # [T, Hq + 2 Hkv, D]: heads of q, k, v
+        # q and k rotated in one call, once, before caching: cached keys keep their positions
+        qk = apply_rotary(qkv[:, : self.hq + self.hkv], cos, sin)  # [T, Hq + Hkv, D]
+        q, k, v = qk[:, : self.hq], qk[:, self.hq :], qkv[:, self.hq + self.hkv :]  # views, no copies
         o = meta.attend(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.hq * self.d))  # [T, hidden]
 
@@ -277,9 +283,14 @@ class Qwen2MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one product, once `merge_projections` ran
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
 
 # %% ../nbs/01_qwen2.ipynb #9603542e
 class Qwen2DecoderLayer(nn.Module):
@@ -1067,6 +1078,33 @@ def resolve_model(model: str | Path | None = None) -> Path:
     return _hub_download(s)
 
 # %% ../nbs/01_qwen2.ipynb #004e4289
+def _stacked(lins: list[nn.Linear]) -> nn.Linear:
+    "One `nn.Linear` whose output is the outputs of `lins`, side by side."
+    w0 = lins[0].weight
+    out = nn.Linear(
+        lins[0].in_features, sum(lin.out_features for lin in lins), lins[0].bias is not None, "meta"
+    )
+    out.weight = nn.Parameter(torch.cat([lin.weight for lin in lins]), requires_grad=w0.requires_grad)
+    if out.bias is not None:
+        out.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]), requires_grad=w0.requires_grad)
+    return out
+
+
+@torch.no_grad()
+def merge_projections(model: Qwen2ForCausalLM) -> int:
+    "Stack each layer's q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, in place; returns the count."
+    merged = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        parts = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)
+        if not all(type(p) is nn.Linear for p in parts):  # merged already, or swapped for other kernels
+            continue
+        a.qkv_proj, a.q_proj, a.k_proj, a.v_proj = _stacked([a.q_proj, a.k_proj, a.v_proj]), None, None, None
+        m.gate_up_proj, m.gate_proj, m.up_proj = _stacked([m.gate_proj, m.up_proj]), None, None
+        merged += 1
+    return merged
+
+# %% ../nbs/01_qwen2.ipynb #d6058735
 def load_model(
     model: str | Path | None = None,
     dtype=None,
@@ -1088,6 +1126,7 @@ def load_model(
     else:
         m = load_safetensors_model(path, dtype, device)
         tok = Tokenizer.from_folder(path)
+    merge_projections(m)
     on_cpu = m.lm_head.weight.device.type == "cpu"
     if quantization is not None and not on_cpu:
         raise ValueError(f"quantization {quantization!r} runs on the CPU only")

@@ -223,7 +223,9 @@ def fake_cpu_result():
                srv("llama.cpp", 16, 70.0, slots=16), srv("mini-vLLM", 1, 15.0, mode="float32"),
                srv("mini-vLLM", 16, 140.0, mode="float32")]
     modes = [{"mode": "float32"}, {"mode": "int4", "error": "ValueError: no"}]
-    return {"modes": modes, "offline": off, "serving": serving}
+    paired = [srv("mini-vLLM", 1, 24.0, mode="float32", server="ours f32", paired_with="llama 1"),
+              srv("llama.cpp", 1, 20.0, mode=None, server="llama 1", paired_with="ours f32")]
+    return {"modes": modes, "offline": off, "serving": serving, "paired": paired}
 
 
 def test_cpu_summary_takes_llamas_best_slot_setting_per_concurrency():
@@ -231,13 +233,17 @@ def test_cpu_summary_takes_llamas_best_slot_setting_per_concurrency():
     assert rows["float32", 16]["llama_slots"] == 16 and rows["float32", 16]["vs_llama"] == pytest.approx(2.0)
     assert rows["float32", 1]["vs_llama"] == pytest.approx(0.5) and rows["float32", 1]["vs_hf"] == 2.0
     assert rows["int4", 16]["served_tok_s"] is None and rows["int4", 16]["vs_llama"] is None  # shown, not run
+    # one user side by side: the paired rows' own ratio, at c=1 only; none for a mode that was not paired
+    assert rows["float32", 1]["vs_llama_paired"] == pytest.approx(1.2) and rows["float32", 16]["vs_llama_paired"] is None
+    assert rows["int4", 1]["vs_llama_paired"] is None
+    assert bench.cpu_summary({**fake_cpu_result(), "paired": []})[0]["vs_llama_paired"] is None
 
 
 def test_print_cpu_summary_shows_every_mode(capsys):
     bench.print_cpu_summary(fake_cpu_result())
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 + 4 and lines[1].startswith("float32") and lines[-1].startswith("int4")
-    assert "2.00x" in lines[2] and "0.50x" in lines[1]
+    assert "2.00x" in lines[2] and "0.50x" in lines[1] and lines[1].endswith("1.20x") and "paired" in lines[0]
 
 
 def test_serve_runs_records_a_server_that_cannot_start_and_goes_on(tmp_path):
@@ -266,4 +272,5 @@ def test_cpu_subcommand_runs_every_mode_offline_and_served(tiny_folder, tmp_path
     assert served == [("float32", 1, 2), ("float32", 3, 3), ("bfloat16", 1, 2), ("bfloat16", 3, 3)]
     assert all(r["total_output_tokens"] == r["requested_tokens"] for r in res["serving"])
     assert "error" in res["servers"][2] and not any(s["engine"] == "llama.cpp" for s in res["servers"])
+    assert res["paired"] == []  # no llama-server: nothing to pair with
     assert any("KV cache" in line for line in res["servers"][0]["log"])  # the server's own start-up lines

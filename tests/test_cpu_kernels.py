@@ -334,7 +334,8 @@ def test_load_model_gguf_quantized(tmp_path):
     write_gguf(path, tiny_hf(0), "Q8_0")
     plain, _ = load_model(path, "float32", "cpu", pack=False)
     m, _ = load_model(path, "float32", "cpu", quantization="int8")
-    assert kinds(m.model.layers[0].mlp.up_proj) <= {Int8Linear, ck.Int8OneDNNLinear}
+    assert kinds(m.model.layers[0].mlp.gate_up_proj) <= {Int8Linear, ck.Int8OneDNNLinear}  # merged at load
+    assert m.model.layers[0].mlp.up_proj is None and m.model.layers[0].self_attn.q_proj is None
     assert rel(logits(m, IDS % 256), logits(plain, IDS % 256)) <= 0.03
     assert gguf is not None
 
