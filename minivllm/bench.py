@@ -907,36 +907,45 @@ def _timed_one(run: ServerRun, model: str, prompt: str, max_tokens: int) -> tupl
     )
 
 
+def _pair(ref, ref_model, run, prompts, lens, log_dir, say, warmup_tokens) -> list[dict]:
+    "`run` up beside `ref`, the prompts to both in alternating order: a row for each, none if it cannot run."
+    say(f"{run.name} beside {ref.name}, one user: starting")
+    got: dict[str, tuple[list[dict], float]] = {ref.name: ([], 0.0), run.name: ([], 0.0)}
+    try:
+        with server_process(run.cmd, run.url, log=_log_path(log_dir, run.name + " paired")) as model:
+            _timed_one(run, model, prompts[0], warmup_tokens)
+            pair = [(ref, ref_model), (run, model)]
+            for i, (prompt, n) in enumerate(zip(prompts, lens)):
+                for r, m in pair if i % 2 == 0 else pair[::-1]:
+                    res, dur = _timed_one(r, m, prompt, n)
+                    got[r.name] = (got[r.name][0] + res, got[r.name][1] + dur)
+    except Exception as e:  # this one cannot run here: said, and the next runs
+        say(f"{run.name}: not run beside {ref.name}, {type(e).__name__}: {e}")
+        return []
+    rows = [
+        {"server": r.name, "concurrency": 1, "prompts": len(prompts), "requested_tokens": sum(lens),
+         "paired_with": other.name, **serving_metrics(*got[r.name]), **r.fields}
+        for r, other in ((run, ref), (ref, run))
+    ]  # fmt: skip
+    ours, theirs = rows[0]["output_throughput"], rows[1]["output_throughput"]
+    ratio = f"{ours / theirs:.2f}x" if theirs else "no tokens from it"
+    say(f"  {run.name} {ours:.1f} tok/s beside {ref.name} {theirs:.1f} tok/s: {ratio}")
+    return rows
+
+
 def one_user_pairs(
     ref: ServerRun, runs: list[ServerRun], prompts: list[str], lens: list[int], log_dir: Path | None = None,
     say=print, warmup_tokens: int = 4,
 ) -> list[dict]:  # fmt: skip
     "`ref` up, each of `runs` beside it in turn: every prompt to both, the order alternating; 2 rows a pair."
     rows = []
-    with server_process(ref.cmd, ref.url, log=_log_path(log_dir, ref.name + " paired")) as ref_model:
-        _timed_one(ref, ref_model, prompts[0], warmup_tokens)
-        for run in runs:
-            say(f"{run.name} beside {ref.name}, one user: starting")
-            got: dict[str, tuple[list[dict], float]] = {ref.name: ([], 0.0), run.name: ([], 0.0)}
-            try:
-                with server_process(run.cmd, run.url, log=_log_path(log_dir, run.name + " paired")) as model:
-                    _timed_one(run, model, prompts[0], warmup_tokens)
-                    pair = [(ref, ref_model), (run, model)]
-                    for i, (prompt, n) in enumerate(zip(prompts, lens)):
-                        for r, m in pair if i % 2 == 0 else pair[::-1]:
-                            res, dur = _timed_one(r, m, prompt, n)
-                            got[r.name] = (got[r.name][0] + res, got[r.name][1] + dur)
-            except Exception as e:  # this one cannot run here: said, and the next runs
-                say(f"{run.name}: not run beside {ref.name}, {type(e).__name__}: {e}")
-                continue
-            for r, other in ((run, ref), (ref, run)):
-                rows.append({
-                    "server": r.name, "concurrency": 1, "prompts": len(prompts),
-                    "requested_tokens": sum(lens), "paired_with": other.name,
-                    **serving_metrics(*got[r.name]), **r.fields,
-                })  # fmt: skip
-            ours, theirs = rows[-2]["output_throughput"], rows[-1]["output_throughput"]
-            say(f"  {run.name} {ours:.1f} tok/s beside {ref.name} {theirs:.1f} tok/s: {ours / theirs:.2f}x")
+    try:
+        with server_process(ref.cmd, ref.url, log=_log_path(log_dir, ref.name + " paired")) as ref_model:
+            _timed_one(ref, ref_model, prompts[0], warmup_tokens)
+            for run in runs:
+                rows += _pair(ref, ref_model, run, prompts, lens, log_dir, say, warmup_tokens)
+    except Exception as e:  # the reference cannot run here: said, and the pairs made so far stand
+        say(f"{ref.name}: not run, {type(e).__name__}: {e}")
     return rows
 
 # %% ../nbs/06_benchmarks.ipynb #b76d52f5
@@ -959,7 +968,7 @@ def cpu_summary(res: dict) -> list[dict]:
     paired = {  # mode -> our tokens/s over llama-server's, one user, side by side (`one_user_pairs`)
         r["mode"]: r["output_throughput"] / beside[r["server"]]["output_throughput"]
         for r in res.get("paired", [])
-        if r["engine"] == "mini-vLLM" and r["server"] in beside
+        if r["engine"] == "mini-vLLM" and beside.get(r["server"], {}).get("output_throughput")
     }
     cs = sorted({c for _, c in [*off, *ours]})
     out = []
@@ -989,20 +998,8 @@ def _fmt(v, spec: str, width: int) -> str:
 
 def print_cpu_summary(res: dict) -> None:
     "The side-by-side table of `cpu_summary`, tokens/s and ratios."
-    head = (
-        "mode",
-        "c",
-        "ours",
-        "HF",
-        "x HF",
-        "identical",
-        "as f32",
-        "served",
-        "llama",
-        "-np",
-        "x llama",
-        "paired",
-    )
+    head = ("mode", "c", "ours", "HF", "x HF", "identical", "as f32", "served", "llama", "-np", "x llama")
+    head += ("paired",)  # one user, side by side
     widths = (15, 4, 8, 8, 7, 10, 7, 8, 8, 4, 8, 8)
     print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(head, widths))))
     for r in cpu_summary(res):
