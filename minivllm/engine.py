@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .paged_cache import BlockManager, KVCache, PagedBatch, num_kv_blocks_for
@@ -29,9 +30,10 @@ from minivllm.scheduler import (
 )
 
 # %% auto #0
-__all__ = ['RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob', 'apply_penalties', 'filter_logits', 'Sampler',
-           'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch',
-           'ModelRunner', 'EngineStats', 'StepRecord', 'LLMEngine', 'release_free_memory', 'LLM', 'main']
+__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob', 'apply_penalties',
+           'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'detokenize_incrementally', 'CompletionOutput',
+           'RequestMetrics', 'RequestOutput', 'FlatBatch', 'ModelRunner', 'EngineStats', 'StepRecord', 'LLMEngine',
+           'release_free_memory', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -163,16 +165,29 @@ def apply_penalties(
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
+NUCLEUS_CANDIDATES = (1024, 16384)  # top-p looks among this many most likely tokens, then this many, then all
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    "One row [V], -inf outside the smallest set of most likely tokens whose probability reaches `top_p`."
+    probs = logits.softmax(-1)
+    V = probs.shape[-1]
+    for k in (*(c for c in NUCLEUS_CANDIDATES if c < V), V):
+        top, idx = torch.topk(probs, k) if k < V else torch.sort(probs, descending=True)  # most likely first
+        cum = top.cumsum(-1)
+        if k == V or cum[-1] >= top_p:  # these hold the nucleus: the tokens after them are all out
+            break
+    keep = idx[cum - top < top_p]  # a token stays while the mass before it is short of top_p
+    return torch.full_like(logits, float("-inf")).index_copy_(0, keep, logits[keep])
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     "One row [V] of temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
+        logits = nucleus(logits, top_p)
     if min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
@@ -193,25 +208,49 @@ def _argmax_only(seq: Sequence) -> bool:
     return p.greedy and no_penalty and seq.num_output_tokens >= p.min_tokens
 
 
+DRAW_CHUNK = 128  # probabilities summed a chunk at a time (128 divides Qwen2's vocabularies: no padding)
+
+
+def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> int:
+    "The first index of `cdf` [n] above `u`; where rounding puts `u` past the end, the last index with mass."
+    i = int(torch.searchsorted(cdf, u.view(1), right=True))
+    if i == cdf.shape[-1]:
+        i = int(torch.searchsorted(cdf, cdf[-1:]))  # where the total is first reached
+    return i
+
+
+def draw_token(probs: torch.Tensor, gen: torch.Generator) -> int | None:
+    "A token drawn from `probs` [V] with one uniform number from `gen`; None if `probs` is not finite."
+    pad = -probs.shape[-1] % DRAW_CHUNK
+    chunks = (F.pad(probs, (0, pad)) if pad else probs).view(-1, DRAW_CHUNK)  # [C, 128]; padding has no mass
+    cdf = chunks.sum(-1).double().cumsum(-1)  # [C]: the mass up to the end of each chunk
+    if not bool(torch.isfinite(cdf[-1])):  # a NaN or an infinity anywhere reaches the total
+        return None
+    u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device) * cdf[-1]  # in [0, total)
+    c = _first_above(cdf, u)  # the chunk, then the token inside it
+    inside = chunks[c].cumsum(-1, dtype=torch.float64) + (cdf[c - 1] if c else 0)  # [128]
+    return c * DRAW_CHUNK + _first_above(inside, u)
+
+
 @patch
 def _sample_row(
     self: Sampler, row: torch.Tensor, seq: Sequence, gen: torch.Generator | None, eos_ids: list[int]
 ) -> int | None:
-    "One row [V] (modified in place) with all its parameters -> a token, or None if it is not finite."
+    "One row [V] (left as it is) with all its parameters -> a token, or None if it is not finite."
     p = seq.params
-    apply_penalties(row, seq.prompt_token_ids, seq.output_token_ids, p)
+    banned = []
     if seq.num_output_tokens < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or banned:
+        row = row.clone()  # changed below; the caller's row keeps the raw logits (for the logprobs)
+        apply_penalties(row, seq.prompt_token_ids, seq.output_token_ids, p)
         if banned:
             row[torch.tensor(banned, device=row.device)] = float("-inf")
     if p.greedy:
         best, token = row.max(-1)
         return int(token) if torch.isfinite(best) else None
-    probs = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
-    if not bool(torch.isfinite(probs).all()):
-        return None
-    noise = torch.empty_like(probs).exponential_(generator=gen if gen is not None else self.generator)
-    return int((probs / noise).argmax())
+    probs = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)  # [V]
+    return draw_token(probs, gen if gen is not None else self.generator)
 
 # %% ../nbs/04_engine.ipynb #b21f3ba6
 @patch
@@ -241,10 +280,8 @@ def __call__(
         best, idx = (logits if len(plain) == len(seqs) else logits[plain]).max(-1)  # [P], [P]
         for i, ok, t in zip(plain, torch.isfinite(best).tolist(), idx.tolist()):
             tokens[i] = t if ok else None
-    rest = [i for i, f in enumerate(only_argmax) if not f]
-    work = logits.clone() if rest else logits
-    for i in rest:
-        tokens[i] = self._sample_row(work[i], seqs[i], generators[i], eos_ids)
+    for i in (i for i, f in enumerate(only_argmax) if not f):
+        tokens[i] = self._sample_row(logits[i], seqs[i], generators[i], eos_ids)
     want = [s.params.logprobs is not None and t is not None for s, t in zip(seqs, tokens)]
     raw_lp = torch.log_softmax(logits, -1) if any(want) else None  # [B, V]
     lps = [

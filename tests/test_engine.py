@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from transformers import Qwen2Config as HFConfig
 from transformers import Qwen2ForCausalLM as HFModel
 
-from minivllm.engine import (LLM, LLMEngine, Sampler, apply_penalties, detokenize_incrementally, filter_logits)
+from minivllm.engine import (LLM, LLMEngine, Sampler, apply_penalties, detokenize_incrementally, draw_token, filter_logits,
+                             nucleus)
 from minivllm.qwen2 import ContiguousKVCache, Qwen2Config, Tokenizer, load_safetensors_model
 from minivllm.scheduler import RequestTooLong, SamplingError, SamplingParams, Sequence
 
@@ -185,6 +186,31 @@ def test_sampler_follows_the_distribution_and_the_filters():
                       .nonzero().flatten().tolist())
         got = {s(logits, [mk(**kw)], [None], [])[0][0] for _ in range(300)}
         assert got <= allowed and len(got) > 1, (kw, got, allowed)
+
+
+def test_nucleus_on_a_full_vocabulary_is_the_sorted_definition():
+    # a vocabulary of Qwen2's size: the candidates (1,024, then 16,384) and the full sort all give the same nucleus
+    torch.manual_seed(4)
+    ranks = torch.arange(1, 151_937).float()[torch.randperm(151_936)]
+    for z in (-2 * ranks.log(), -1.2 * ranks.log(), torch.randn(151_936) / 20):
+        probs, idx = torch.sort(z.softmax(-1), descending=True)
+        for top_p in (0.3, 0.9, 0.999):
+            kept = set(idx[probs.cumsum(-1) - probs < top_p].tolist())
+            got = nucleus(z, top_p)
+            assert set((~got.isinf()).nonzero().flatten().tolist()) == kept
+            assert torch.equal(got[list(kept)], z[list(kept)])  # the kept logits are untouched
+
+
+def test_draw_token_follows_the_distribution_across_chunks():
+    g = torch.Generator().manual_seed(5)
+    probs = torch.zeros(151_936)
+    probs[[0, 127, 128, 90_000, 151_935]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    draws = torch.tensor([draw_token(probs, g) for _ in range(4000)])
+    assert set(draws.tolist()) == {0, 127, 128, 90_000, 151_935}
+    freq = torch.bincount(draws, minlength=151_936).float() / len(draws)
+    assert (freq - probs).abs().max() < 0.03
+    assert draw_token(torch.full((300,), float("nan")), g) is None
+    assert draw_token(torch.tensor([0.0, 0.0, 1.0]), g) == 2
 
 
 def test_sampler_logprobs_are_the_raw_distributions():
