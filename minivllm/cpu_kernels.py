@@ -183,6 +183,16 @@ def int4_group_size(in_features: int, group_size: int = 32) -> int | None:
     return None
 
 
+def _refit(part: torch.Tensor, levels: torch.Tensor, s: torch.Tensor, lo: torch.Tensor):
+    "The least-squares scale and offset [n, G] of weights `part` [n, G, g] on `levels`; `s`, `lo` where flat."
+    centred = levels - levels.mean(-1, keepdim=True)  # [n, G, g]
+    var = (centred * centred).sum(-1)  # [n, G]: 0 where every weight of a group got the same level
+    slope = (centred * part).sum(-1) / var.clamp(min=1e-30)
+    ok = (var > 0) & (slope > 1e-12)
+    fit_s = torch.where(ok, slope, s)
+    return fit_s, torch.where(ok, part.mean(-1) - fit_s * levels.mean(-1), lo)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Group-wise asymmetric int4: (q int32 [N, K] in 0..15, scale [N, K/g], zero [N, K/g]), float32."
     n, k = w.shape
@@ -193,6 +203,8 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
         lo, hi = part.amin(-1), part.amax(-1)  # [n, G]
         s = ((hi - lo) / 15).clamp(min=1e-12)
         levels = torch.round((part - lo[..., None]) / s[..., None]).clamp(0, 15)  # [n, G, g]
+        s, lo = _refit(part, levels, s, lo)
+        levels = torch.round((part - lo[..., None]) / s[..., None]).clamp(0, 15)  # the nearest levels again
         q[r : r + QUANT_CHUNK] = levels.reshape(-1, k).to(torch.int32)
         scale[r : r + QUANT_CHUNK], zero[r : r + QUANT_CHUNK] = s, lo + 8 * s  # zero: the value of level 8
     return q, scale, zero
