@@ -185,12 +185,13 @@ def int4_group_size(in_features: int, group_size: int = 32) -> int | None:
 
 def _refit(part: torch.Tensor, levels: torch.Tensor, s: torch.Tensor, lo: torch.Tensor):
     "The least-squares scale and offset [n, G] of weights `part` [n, G, g] on `levels`; `s`, `lo` where flat."
-    centred = levels - levels.mean(-1, keepdim=True)  # [n, G, g]
+    mean = levels.mean(-1)  # [n, G]
+    centred = levels - mean[..., None]  # [n, G, g]
     var = (centred * centred).sum(-1)  # [n, G]: 0 where every weight of a group got the same level
     slope = (centred * part).sum(-1) / var.clamp(min=1e-30)
     ok = (var > 0) & (slope > 1e-12)
     fit_s = torch.where(ok, slope, s)
-    return fit_s, torch.where(ok, part.mean(-1) - fit_s * levels.mean(-1), lo)
+    return fit_s, torch.where(ok, part.mean(-1) - fit_s * mean, lo)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
