@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .qwen2 import PackedLinear, packing_supported
+from .qwen2 import PackedLinear, packing_supported, row_bucket
 
 log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
@@ -27,8 +27,8 @@ __all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'Kernel', 'TIM
            'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
            'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
            'dequantize_int4', 'int4_supported', 'Int4Linear', 'kernel_candidates', 'time_kernels', 'plan_of',
-           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'KernelReport',
-           'prepare_linears']
+           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
+           'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpu_flags() -> set[str]:
@@ -401,13 +401,48 @@ def two_layouts_fit(model: nn.Module) -> bool:
     weights = sum(lin.weight.numel() * lin.weight.element_size() for _, _, lin in _linears(model))
     return avail is not None and weights <= TWO_LAYOUTS_SHARE * avail
 
+# %% ../nbs/01b_cpu_kernels.ipynb #4416e1f1
+def builds_per_shape(name: str, dtype: torch.dtype) -> bool:
+    "Whether kernel `name` on `dtype` weights runs through oneDNN, which builds code for each shape it meets."
+    if name in ("onednn", "int8/onednn"):
+        return True
+    if name in ("mkl", "blas"):  # F.linear: oneDNN's where it computes bfloat16 / float16 on this CPU
+        return (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()) or (
+            dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+        )
+    return False
+
+
+class RowBuckets(nn.Module):
+    "`inner` called only at `row_bucket` row counts: zero rows pad a call up to its bucket."
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        padded = row_bucket(rows)
+        if padded == rows:
+            return self.inner(x)
+        y = self.inner(F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows)))  # [padded, out]
+        return y[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def kernels_of(layer: nn.Module) -> list[nn.Module]:
+    "The kernel modules a prepared layer runs: itself, or those its `RowBuckets` and `ByRows` hold."
+    if type(layer) is RowBuckets:
+        return kernels_of(layer.inner)
+    return [layer.few, layer.many] if type(layer) is ByRows else [layer]
+
 # %% ../nbs/01b_cpu_kernels.ipynb #ffe8805e
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    "(parent, attribute, layer) for every plain `nn.Linear` of `model` (not those a `ByRows` already holds)."
+    "(parent, attribute, layer) for every plain `nn.Linear` of `model` (not those a kernel already holds)."
     return [
         (parent, name, child)
         for parent in model.modules()
-        if type(parent) is not ByRows
+        if type(parent) not in (ByRows, RowBuckets)
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
@@ -448,12 +483,14 @@ class KernelReport:
         return f"minivllm: linear kernels (cpu, {mode}): {shapes} ({cost})"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #8c8d8daf
-def _build(plan: Plan, mods: dict[str, nn.Module]) -> nn.Module:
-    "The layer `mods` hold in each kernel, as the plan says: one of them, or a `ByRows` of two."
+def _build(plan: Plan, mods: dict[str, nn.Module], dtype: torch.dtype) -> nn.Module:
+    "The layer `mods` hold in each kernel as the plan says (one, or a `ByRows` of two); oneDNN's bucketed."
     if len(plan) == 1:
-        return mods[plan[0][1]]
-    (_, few), (rows, many) = plan
-    return ByRows(mods[few], mods[many], rows)
+        layer = mods[plan[0][1]]
+    else:
+        (_, few), (rows, many) = plan
+        layer = ByRows(mods[few], mods[many], rows)
+    return RowBuckets(layer) if any(builds_per_shape(name, dtype) for _, name in plan) else layer
 
 
 def prepare_linears(
@@ -486,7 +523,7 @@ def prepare_linears(
                 report.choices[f"{lin.out_features}x{lin.in_features}"] = plan_name(plans[key])
                 report.timings[f"{lin.out_features}x{lin.in_features}"] = secs
                 t0 = time.perf_counter()
-            setattr(parent, name, _build(plans[key], mods))
+            setattr(parent, name, _build(plans[key], mods, lin.weight.dtype))
         report.seconds_building += time.perf_counter() - t0
     head, emb = getattr(model, "lm_head", None), _embedding(model)
     if head is not None and emb is not None and not hasattr(head, "weight"):

@@ -27,13 +27,13 @@ from tqdm.auto import tqdm
 __all__ = ['SDPA_GQA', 'DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED_SHA256',
            'BUNDLED_SIZE', 'BUNDLED_PARTS', 'PACK_BATCH_HINT', 'HUB_PATTERNS', 'ModelLoadError',
            'UnsupportedArchitecture', 'Qwen2Config', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary',
-           'AttentionMetadata', 'causal_attention', 'ContiguousKVCache', 'ContiguousBatch', 'Qwen2Attention',
-           'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM', 'greedy_generate', 'resolve_device',
-           'resolve_dtype', 'model_from_tensors', 'safetensors_files', 'load_safetensors_model', 'gguf_to_hf_name',
-           'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf',
-           'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir', 'assemble_bundled_gguf',
-           'convert_gguf_to_folder', 'bundled_model_folder', 'packing_supported', 'PackedLinear', 'pack_linears',
-           'resolve_model', 'merge_projections', 'load_model']
+           'AttentionMetadata', 'row_bucket', 'causal_attention', 'ContiguousKVCache', 'ContiguousBatch',
+           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM', 'greedy_generate',
+           'resolve_device', 'resolve_dtype', 'model_from_tensors', 'safetensors_files', 'load_safetensors_model',
+           'gguf_to_hf_name', 'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model',
+           'tokenizer_from_gguf', 'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir',
+           'assemble_bundled_gguf', 'convert_gguf_to_folder', 'bundled_model_folder', 'packing_supported',
+           'PackedLinear', 'pack_linears', 'resolve_model', 'merge_projections', 'load_model']
 
 # %% ../nbs/01_qwen2.ipynb #8e70992d
 class ModelLoadError(ValueError):
@@ -185,10 +185,24 @@ class AttentionMetadata(Protocol):
 SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
+def row_bucket(rows: int) -> int:
+    "`rows` rounded up to one of four sizes an octave, exact below 8: 8, 10, 12, 14, 16, 20, 24, ..."
+    step = 1 << max(rows.bit_length() - 3, 0)
+    return -(-rows // step) * step
+
+
+# whether PyTorch's CPU flash attention builds AMX code per block shape for a dtype (AMX for it on this CPU)
+_AMX_FLASH = {
+    torch.bfloat16: getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+    torch.float16: getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)(),
+}
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     "Attention of `q` [n, Hq, D] over `k`/`v` [L, Hkv, D], the queries being the last n of the L positions."
     n, L = q.shape[0], k.shape[0]
-    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n or L, D]: SDPA's layout
+    pad = row_bucket(n) - n if n == L and q.device.type == "cpu" and _AMX_FLASH.get(q.dtype) else 0
+    q, k, v = (F.pad(t.transpose(0, 1)[None], (0, 0, 0, pad)) for t in (q, k, v))  # [1, heads, n or L, D]
     if SDPA_GQA:  # each K/V head serves Hq / Hkv query heads, read where it lies
         kw = {"enable_gqa": True}
     else:  # PyTorch 2.4: copy each K/V head once per query head it serves
@@ -201,7 +215,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     else:  # bottom-right aligned causal mask: query i sits at position L - n + i
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=L - n)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
-    return o[0].transpose(0, 1)  # [n, Hq, D]
+    return o[0, :, :n].transpose(0, 1)  # [n, Hq, D]
 
 # %% ../nbs/01_qwen2.ipynb #2dc3b4b7
 class ContiguousKVCache:

@@ -57,8 +57,8 @@ def tiny(seed=0, dtype=torch.float32, **kw) -> Qwen2ForCausalLM:
 
 
 def kinds(layer: nn.Module) -> set[type]:
-    "The kernel classes a layer computes with: its own, or both of a `ByRows`."
-    return {type(layer.few), type(layer.many)} if type(layer) is ck.ByRows else {type(layer)}
+    "The kernel classes a layer computes with: its own, or those its `RowBuckets` / `ByRows` hold."
+    return {type(k) for k in ck.kernels_of(layer)}
 
 
 def logits(model, ids):
@@ -249,7 +249,7 @@ def test_two_layouts_by_rows():
     ref = {r: m.model.layers[0].mlp.up_proj(x[:r]) for r in (1, 40)}
     plan = [(1, "int8"), (8, "mkl")]
     mods = {"int8": ck.Int8Linear.from_linear(m.model.layers[0].mlp.up_proj), "mkl": m.model.layers[0].mlp.up_proj}
-    layer = ck._build(plan, mods)
+    layer = ck._build(plan, mods, torch.float32)  # MKL's float32 GEMM: exact row counts
     assert type(layer) is ck.ByRows and layer.rows == 8 and layer.many is mods["mkl"]
     assert [n for n, _ in layer.named_parameters()] == ["few.qweight", "few.scales"]  # the second layout: not counted
     with torch.no_grad():
@@ -269,9 +269,25 @@ def test_measured_float_kernels_keep_the_logits(dtype):
     ref = logits(tiny(dtype=dtype), IDS)
     m = tiny(dtype=dtype)
     report = prepare_linears(m)
-    assert all(type(x) in (nn.Linear, PackedLinear, ck.ByRows) for x in m.modules() if hasattr(x, "in_features"))
+    assert all(type(x) in (nn.Linear, PackedLinear, ck.ByRows, ck.RowBuckets) for x in m.modules() if hasattr(x, "in_features"))
     assert rel(logits(m, IDS), ref) <= {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     assert set(report.choices) == {"64x64", "32x64", "128x64", "64x128", "261x64"}
+    bucketed = [k for x in m.modules() if type(x) is ck.RowBuckets for k in ck.kernels_of(x)]
+    assert all(any(k is x for k in bucketed) for x in m.modules() if type(x) is PackedLinear)  # oneDNN: bucketed
+
+
+def test_onednn_layers_meet_only_bucketed_row_counts(monkeypatch):
+    ref, m = tiny(), tiny()
+    prepare_linears(m, pack=True)  # oneDNN for every layer: each builds code per row count it meets
+    layers = [x for x in m.modules() if hasattr(x, "in_features") and type(x) is not PackedLinear]
+    assert layers and all(type(x) is ck.RowBuckets and kinds(x) == {PackedLinear} for x in layers)
+    seen = set()
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: seen.add(x.numel() // self.in_features) or forward(self, x))
+    for n in (1, 5, 9, 17, 23, 37, 61):
+        ids = torch.randint(0, 261, (n,))
+        assert rel(logits(m, ids), logits(ref, ids)) <= 1e-5  # padding rows never reach a real row's result
+    assert seen == {ck.row_bucket(n) for n in (1, 5, 9, 17, 23, 37, 61)} == {1, 5, 10, 20, 24, 40, 64}
 
 
 @pytest.mark.parametrize("quantization,limit", [("int8", 0.03), ("int4", 0.15)])
