@@ -1144,8 +1144,8 @@ def load_model(
     on_cpu = m.lm_head.weight.device.type == "cpu"
     if quantization is not None and not on_cpu:
         raise ValueError(f"quantization {quantization!r} runs on the CPU only")
-    if on_cpu and (pack is None or quantization is not None):
-        prepare_linears(m, quantization, pack)
+    if on_cpu and (pack is not False or quantization is not None):
+        prepare_linears(m, quantization, pack)  # pack=True: oneDNN alone, row counts bucketed
     elif pack:
-        pack_linears(m)
+        pack_linears(m)  # off the CPU: refused, with the reason
     return m, tok

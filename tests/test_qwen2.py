@@ -17,6 +17,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import minivllm.qwen2 as qwen2
+from minivllm.cpu_kernels import RowBuckets, kernels_of
 from minivllm.qwen2 import (
     ContiguousKVCache,
     ModelLoadError,
@@ -985,8 +986,9 @@ def test_load_model_measures_by_default_pack_true_packs_pack_false_keeps_linear(
     measured, _ = load_model(path, dtype="float32", device="cpu")
     packed, _ = load_model(path, dtype="float32", device="cpu", pack=True)
     plain, _ = load_model(path, dtype="float32", device="cpu", pack=False)
-    assert type(packed.lm_head) is qwen2.PackedLinear and type(plain.lm_head) is torch.nn.Linear
-    assert type(measured.lm_head) in (qwen2.PackedLinear, torch.nn.Linear)
+    assert type(packed.lm_head) is RowBuckets and {type(k) for k in kernels_of(packed.lm_head)} == {qwen2.PackedLinear}
+    assert type(plain.lm_head) is torch.nn.Linear
+    assert {type(k) for k in kernels_of(measured.lm_head)} <= {qwen2.PackedLinear, torch.nn.Linear}
     assert measured.lm_head.weight.dtype == torch.float32 and measured.lm_head.weight.device.type == "cpu"
     if not qwen2.packing_supported(torch.bfloat16):
         with pytest.raises(ValueError, match="oneDNN cannot pack bfloat16"):
