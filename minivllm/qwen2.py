@@ -202,7 +202,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     "Attention of `q` [n, Hq, D] over `k`/`v` [L, Hkv, D], the queries being the last n of the L positions."
     n, L = q.shape[0], k.shape[0]
     pad = row_bucket(n) - n if n == L and q.device.type == "cpu" and _AMX_FLASH.get(q.dtype) else 0
-    q, k, v = (F.pad(t.transpose(0, 1)[None], (0, 0, 0, pad)) for t in (q, k, v))  # [1, heads, n or L, D]
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n or L, D]: SDPA's layout
+    if pad:  # zero rows at the end, which no real query sees under the causal mask
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     if SDPA_GQA:  # each K/V head serves Hq / Hkv query heads, read where it lies
         kw = {"enable_gqa": True}
     else:  # PyTorch 2.4: copy each K/V head once per query head it serves
