@@ -23,11 +23,11 @@ log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN',
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'SHORTLIST', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN',
            'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
            'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'int4_supported', 'Int4Linear', 'kernel_candidates', 'time_kernels', 'plan_of',
-           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
+           'dequantize_int4', 'int4_supported', 'Int4Linear', 'ShortlistHead', 'kernel_candidates', 'time_kernels',
+           'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
            'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
@@ -263,6 +263,38 @@ def extra_repr(self: Int4Linear) -> str:
     return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #96db89c8
+SHORTLIST = 16  # tokens per row that the int4 pass of `ShortlistHead` hands to int8
+
+
+class ShortlistHead(nn.Module):
+    "An LM head in two passes: int4 weights score every token, int8 weights re-score each row's `k` best."
+
+    def __init__(self, coarse: Int4Linear, fine: Int8Linear, k: int = SHORTLIST):
+        super().__init__()
+        self.coarse, self.k = coarse, min(k, coarse.out_features)
+        self.in_features, self.out_features = coarse.in_features, coarse.out_features
+        object.__setattr__(self, "fine", fine)  # k rows of it read a step: not counted as a parameter
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, group_size: int = 32, k: int = SHORTLIST) -> ShortlistHead:
+        "`lin` quantized twice: to int4 for the shortlist, to int8 for its scores."
+        return cls(Int4Linear.from_linear(lin, group_size), Int8Linear.from_linear(lin), k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [T, in]
+        y = self.coarse(rows)  # [T, V] int4's scores, in x's dtype
+        idx = y.topk(self.k, dim=-1).indices  # [T, k] the shortlist
+        fine = self.fine
+        w = fine.qweight[idx].float()  # [T, k, in] the shortlist's int8 rows
+        scores = torch.bmm(w, rows.float().unsqueeze(-1)).squeeze(-1) * fine.scales[idx].float()  # [T, k]
+        if fine.bias is not None:
+            scores = scores + fine.bias[idx].float()
+        return y.scatter_(1, idx, scores.to(y.dtype)).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, shortlist {self.k} to int8"
+
+# %% ../nbs/01b_cpu_kernels.ipynb #a6a1786f
 Kernel = Callable[[nn.Linear], nn.Module]
 
 
@@ -280,9 +312,13 @@ def _float_kernels(dtype: torch.dtype, pack: bool | None) -> dict[str, Kernel]:
 
 
 def kernel_candidates(
-    lin: nn.Linear, quantization: str | None = None, pack: bool | None = None, group_size: int = 32
+    lin: nn.Linear,
+    quantization: str | None = None,
+    pack: bool | None = None,
+    group_size: int = 32,
+    head=False,
 ) -> dict[str, Kernel]:
-    "The kernels this CPU has for `lin` with `quantization` (None, int8 or int4), by name."
+    "The kernels this CPU has for `lin` (the LM head if `head`) with `quantization` (None, int8 or int4)."
     dtype = lin.weight.dtype
     if quantization is None:
         return _float_kernels(dtype, pack)
@@ -295,7 +331,11 @@ def kernel_candidates(
         computes = {"int8" if dtype == torch.float32 else "int8/fp32": torch.float32}
     if quantization == "int8":
         ks = {k: functools.partial(Int8Linear.from_linear, compute_dtype=c) for k, c in computes.items()}
-        return ks | ({"int8/onednn": Int8OneDNNLinear.from_linear} if onednn_int8_supported() else {})
+        if onednn_int8_supported():
+            ks["int8/onednn"] = Int8OneDNNLinear.from_linear
+        if head and int4_supported(lin.out_features, lin.in_features, group_size):
+            ks["int4+int8"] = functools.partial(ShortlistHead.from_linear, group_size=group_size)
+        return ks
     make = functools.partial(Int4Linear.from_linear, group_size=group_size)
     return {k: functools.partial(make, compute_dtype=c) for k, c in computes.items()}
 
@@ -354,10 +394,15 @@ def plan_name(plan: Plan) -> str:
 
 
 def choose_kernel(
-    lin: nn.Linear, quantization: str | None = None, pack: bool | None = None, group_size: int = 32, two=True
+    lin: nn.Linear,
+    quantization: str | None = None,
+    pack: bool | None = None,
+    group_size: int = 32,
+    two=True,
+    head=False,
 ) -> tuple[Plan, dict[str, list[float]], dict[str, nn.Module]]:
     "The plan for `lin` (see `plan_of`), each candidate's seconds per timed row count, `lin` in each kernel."
-    kernels = kernel_candidates(lin, quantization, pack, group_size)
+    kernels = kernel_candidates(lin, quantization, pack, group_size, head)
     mods = {name: make(lin) for name, make in kernels.items()}
     if len(kernels) == 1:
         return [(1, next(iter(kernels)))], {}, mods
@@ -511,14 +556,15 @@ def prepare_linears(
     plans: dict[tuple, Plan] = {}
     for parent, name, lin in todo:
         q = _layer_quantization(model, lin, quantization)
-        key = (q, lin.out_features, lin.in_features)
+        head = lin is getattr(model, "lm_head", None)
+        key = (q, head, lin.out_features, lin.in_features)
         t0 = time.perf_counter()
         with torch.no_grad():
             if key in plans:  # a shape decided before: build this layer in its plan's kernels
-                kernels = kernel_candidates(lin, q, pack, group_size)
+                kernels = kernel_candidates(lin, q, pack, group_size, head)
                 mods = {k: kernels[k](lin) for _, k in plans[key]}
             else:  # the first layer of its shape: timed in every candidate, which its plan keeps
-                plans[key], secs, mods = choose_kernel(lin, q, pack, group_size, two)
+                plans[key], secs, mods = choose_kernel(lin, q, pack, group_size, two, head)
                 report.seconds_timing += time.perf_counter() - t0
                 report.choices[f"{lin.out_features}x{lin.in_features}"] = plan_name(plans[key])
                 report.timings[f"{lin.out_features}x{lin.in_features}"] = secs

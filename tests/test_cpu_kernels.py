@@ -206,6 +206,64 @@ def test_onednn_int8_probe_is_a_bool():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the LM head's shortlist
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_shortlist_head_gives_int8_scores_to_the_best(dtype, bias, rows):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 1024, bias=bias).to(dtype)
+    head, int8 = ck.ShortlistHead.from_linear(lin, k=8), Int8Linear.from_linear(lin)
+    x = torch.randn(2, rows, 96, dtype=dtype)  # leading dimensions kept
+    with torch.no_grad():
+        got, want, coarse = head(x), int8(x), head.coarse(x)
+    assert got.shape == (2, rows, 1024) and got.dtype == dtype
+    got, want, coarse = (t.reshape(-1, 1024).float() for t in (got, want, coarse))
+    short = coarse.topk(8, -1).indices  # [2 * rows, 8]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(got.gather(1, short), want.gather(1, short)) <= tol
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, short, False)
+    assert torch.equal(got[rest], coarse[rest])  # the others keep int4's scores
+    best = want.argmax(-1, keepdim=True)  # [2 * rows, 1] int8's best token
+    inside = (best == short).any(-1)  # rows where it made the shortlist: there it is the best, to rounding
+    gap = got.amax(-1) - got.gather(1, best)[:, 0]
+    assert inside.any() and (gap[inside] <= tol * want.abs().max()).all()
+    # the int8 table is read k rows at a time: not a parameter
+    assert {n for n, _ in head.named_parameters()} == {f"coarse.{n}" for n, _ in head.coarse.named_parameters()}
+
+
+def test_shortlist_head_small_vocabulary():
+    lin = nn.Linear(64, 16)
+    head = ck.ShortlistHead.from_linear(lin, k=64)  # a shortlist longer than the vocabulary: all of it
+    assert head.k == 16
+    with torch.no_grad():
+        x = torch.randn(3, 64)
+        assert rel(head(x), Int8Linear.from_linear(lin)(x)) <= 1e-5  # every token scored by int8
+
+
+def test_prepared_model_runs_the_shortlist_head_at_one_row(monkeypatch):
+    # the head's plan forced: the shortlist at one row, int8 from 8 rows
+    fake = {"int4+int8": [0.1, 9.0, 9.0], "int8": [1.0, 1.0, 1.0]}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [5.0] * 3) for n in mods})
+    m = tiny(dtype=torch.bfloat16, vocab_size=4096, tie_word_embeddings=False)
+    plain = Int8Linear.from_linear(m.lm_head)
+    report = prepare_linears(m, "int4")
+    assert report.choices["4096x64"] == "int4+int8 then int8 from 8 rows"
+    head = m.lm_head
+    assert type(head) is ck.ByRows and type(head.few) is ck.ShortlistHead and type(head.many) is Int8Linear
+    assert m.lm_head.weight.dtype == torch.bfloat16  # still answers the dtype
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(head(x).argmax(-1), head.few(x).argmax(-1))
+        assert rel(head(x).float().amax(-1), plain(x).float().amax(-1)) <= 1e-2  # the best score: int8's
+        ids = torch.randint(0, 4096, (1,))
+        meta = ContiguousKVCache(2).batch([0], [1])
+        assert m.compute_logits(m(ids, torch.arange(1), meta)).shape == (1, 4096)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # candidates and the choice
 
 
@@ -218,6 +276,10 @@ def test_candidates_per_format():
     assert list(kernel_candidates(lin, "int8")) == ["int8", "int8/bf16", *onednn]  # float32: bf16 compute too
     assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4"]
     assert list(kernel_candidates(nn.Linear(64, 40), "int4")) == ["int8", "int8/bf16", *onednn]  # refused: int8
+    # the LM head, int8: the int4 shortlist too, where the int4 kernel takes the shape
+    assert list(kernel_candidates(nn.Linear(64, 48), "int8", head=True)) == ["int8", "int8/bf16", *onednn, "int4+int8"]
+    assert "int4+int8" not in kernel_candidates(nn.Linear(64, 40), "int8", head=True)
+    assert "int4+int8" not in kernel_candidates(nn.Linear(64, 48), head=True)  # a float head: float kernels
     if not packing_supported(torch.bfloat16):
         with pytest.raises(ValueError, match="oneDNN cannot pack bfloat16"):
             kernel_candidates(lin.bfloat16(), pack=True)
