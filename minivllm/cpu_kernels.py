@@ -27,8 +27,8 @@ __all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'SHORTLIST', '
            'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
            'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
            'dequantize_int4', 'int4_supported', 'Int4Linear', 'ShortlistHead', 'kernel_candidates', 'time_kernels',
-           'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
-           'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
+           'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit',
+           'builds_per_shape', 'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpu_flags() -> set[str]:
@@ -374,17 +374,26 @@ Plan = list[tuple[int, str]]  # (from rows, kernel name), by rows: [(1, "int8"),
 PLAN_MARGIN = 1.1  # a second layout only for a kernel more than 10% faster at one row
 
 
-def plan_of(secs: dict[str, list[float]], rows=TIME_ROWS, two: bool = True) -> Plan:
+def weight_bytes(m: nn.Module) -> int:
+    "Bytes of `m`'s parameters: what a call of one row reads (a second layout, held outside them, is not)."
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def plan_of(
+    secs: dict[str, list[float]], rows=TIME_ROWS, two: bool = True, nbytes: dict[str, int] | None = None
+) -> Plan:
     "The winner at `rows[0]` and, if `two` and another wins at `rows[-1]`, that one from where it leads."
     if not two:
         return [(1, min(secs, key=lambda k: sum(secs[k])))]
-    few = min(secs, key=lambda k: secs[k][0])
+    fastest = min(secs, key=lambda k: secs[k][0])
+    ties = [k for k in secs if secs[k][0] <= PLAN_MARGIN * secs[fastest][0]]  # near enough at one row
+    if nbytes:  # of those, the ones that read the fewest bytes
+        ties = [k for k in ties if nbytes[k] == min(nbytes[t] for t in ties)]
     many = min(secs, key=lambda k: secs[k][-1])
-    if secs[many][0] <= PLAN_MARGIN * secs[few][0]:  # near enough at one row: one layout, one kernel
-        few = many
+    few = many if many in ties else min(ties, key=lambda k: secs[k][0])  # the batch's winner: one layout
     if few == many:
         return [(1, few)]
-    start = next((r for r, a, b in zip(rows, secs[few], secs[many]) if b < a), rows[-1])
+    start = next((r for r, a, b in zip(rows[1:], secs[few][1:], secs[many][1:]) if b < a), rows[-1])
     return [(1, few), (start, many)]
 
 
@@ -407,7 +416,7 @@ def choose_kernel(
     if len(kernels) == 1:
         return [(1, next(iter(kernels)))], {}, mods
     secs = time_kernels(mods, lin.in_features, lin.weight.dtype)
-    return plan_of(secs, two=two), secs, mods
+    return plan_of(secs, two=two, nbytes={name: weight_bytes(m) for name, m in mods.items()}), secs, mods
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b8e3a95b
 TWO_LAYOUTS_SHARE = 0.25  # two layouts while the linear weights take at most this share of available memory

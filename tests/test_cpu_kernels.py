@@ -243,9 +243,10 @@ def test_shortlist_head_small_vocabulary():
         assert rel(head(x), Int8Linear.from_linear(lin)(x)) <= 1e-5  # every token scored by int8
 
 
-def test_prepared_model_runs_the_shortlist_head_at_one_row(monkeypatch):
+@pytest.mark.parametrize("one_row", [0.1, 1.05])  # faster at one row, or a tie there that reads fewer bytes
+def test_prepared_model_runs_the_shortlist_head_at_one_row(monkeypatch, one_row):
     # the head's plan forced: the shortlist at one row, int8 from 8 rows
-    fake = {"int4+int8": [0.1, 9.0, 9.0], "int8": [1.0, 1.0, 1.0]}
+    fake = {"int4+int8": [one_row, 9.0, 9.0], "int8": [1.0, 1.0, 1.0]}
     monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [5.0] * 3) for n in mods})
     m = tiny(dtype=torch.bfloat16, vocab_size=4096, tie_word_embeddings=False)
     plain = Int8Linear.from_linear(m.lm_head)
@@ -295,6 +296,18 @@ def test_choice_is_the_fastest_measured(monkeypatch):
     assert ck.choose_kernel(nn.Linear(64, 48), "int8", two=False)[0] == [(1, "int8/bf16")]  # least summed
     plan, secs, mods = ck.choose_kernel(nn.Linear(64, 48), pack=False)
     assert secs == {} and len(mods) == 1  # one candidate: nothing timed
+
+
+def test_a_tie_at_one_row_goes_to_fewer_bytes():
+    secs = {"a": [1.0, 2.0, 3.0], "b": [1.05, 1.0, 1.0], "c": [2.0, 9.0, 9.0]}
+    assert ck.plan_of(secs) == [(1, "b")]  # a tie at one row: the batch's winner, one layout
+    assert ck.plan_of(secs, nbytes={"a": 10, "b": 20, "c": 1}) == [(1, "a"), (8, "b")]  # c is no tie: too slow
+    assert ck.plan_of(secs, nbytes={"a": 20, "b": 20, "c": 1}) == [(1, "b")]  # same bytes: the batch's winner
+    assert ck.plan_of(secs, nbytes={"a": 10, "b": 20}, two=False) == [(1, "b")]  # one layout: least time summed
+    assert ck.plan_of({"a": [1.0, 1.0, 9.0], "b": [1.05, 2.0, 1.0]}, nbytes={"a": 1, "b": 2}) == [(1, "a"), (32, "b")]
+    lin = nn.Linear(64, 48)
+    assert ck.weight_bytes(Int8Linear.from_linear(lin)) == 64 * 48 + 2 * 48 * 4  # int8 weights, float32 scales, bias
+    assert ck.weight_bytes(ck.ShortlistHead.from_linear(lin)) == ck.weight_bytes(Int4Linear.from_linear(lin))
 
 
 def test_time_kernels_gives_every_candidate_a_score():
