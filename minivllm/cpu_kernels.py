@@ -316,7 +316,7 @@ def kernel_candidates(
     quantization: str | None = None,
     pack: bool | None = None,
     group_size: int = 32,
-    head=False,
+    head: bool = False,
 ) -> dict[str, Kernel]:
     "The kernels this CPU has for `lin` (the LM head if `head`) with `quantization` (None, int8 or int4)."
     dtype = lin.weight.dtype
@@ -382,7 +382,7 @@ def weight_bytes(m: nn.Module) -> int:
 def plan_of(
     secs: dict[str, list[float]], rows=TIME_ROWS, two: bool = True, nbytes: dict[str, int] | None = None
 ) -> Plan:
-    "The winner at `rows[0]` and, if `two` and another wins at `rows[-1]`, that one from where it leads."
+    "The winner at `rows[0]` (a tie: fewest `nbytes`), and, if `two`, `rows[-1]`'s from where it leads."
     if not two:
         return [(1, min(secs, key=lambda k: sum(secs[k])))]
     fastest = min(secs, key=lambda k: secs[k][0])
@@ -407,8 +407,8 @@ def choose_kernel(
     quantization: str | None = None,
     pack: bool | None = None,
     group_size: int = 32,
-    two=True,
-    head=False,
+    two: bool = True,
+    head: bool = False,
 ) -> tuple[Plan, dict[str, list[float]], dict[str, nn.Module]]:
     "The plan for `lin` (see `plan_of`), each candidate's seconds per timed row count, `lin` in each kernel."
     kernels = kernel_candidates(lin, quantization, pack, group_size, head)
