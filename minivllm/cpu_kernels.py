@@ -5,10 +5,18 @@
 # %% ../nbs/01b_cpu_kernels.ipynb #d004664a
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,18 +25,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .qwen2 import PackedLinear, packing_supported, row_bucket
+from .qwen2 import PackedLinear, cache_dir, packing_supported, row_bucket
 
 log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'SHORTLIST', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN',
-           'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
-           'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'int4_supported', 'Int4Linear', 'ShortlistHead', 'kernel_candidates', 'time_kernels',
-           'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit',
-           'builds_per_shape', 'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'INT4_VNNI_C', 'VNNI_FLAGS', 'VNNI_CFLAGS', 'SHORTLIST',
+           'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16',
+           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
+           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'int4_supported', 'Int4Linear', 'int4_vnni_library', 'int4_vnni_supported',
+           'Int4VNNILinear', 'ShortlistHead', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of',
+           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
+           'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpu_flags() -> set[str]:
@@ -53,8 +63,37 @@ def cpu_has_bf16() -> bool:
 
 # %% ../nbs/01b_cpu_kernels.ipynb #daac51e5
 QUANT_CHUNK = 8192  # rows quantized at a time: bounds the float32 temporaries
+_shared: dict | None = None  # while `quantized_once()` is open: (function, weight, arguments) -> result
 
 
+def once_per_weight(fn: Callable) -> Callable:
+    "`fn(w, *args)`, computed once per weight and arguments while `quantized_once()` is open."
+
+    @functools.wraps(fn)
+    def shared(w: torch.Tensor, *args):
+        if _shared is None:
+            return fn(w, *args)
+        key = (fn.__name__, id(w), w._version, args)  # the weight is alive while it is open: ids stay its own
+        if key not in _shared:
+            _shared[key] = fn(w, *args)
+        return _shared[key]
+
+    return shared
+
+
+@contextmanager
+def quantized_once():
+    "Inside, `quantize_int8` and `quantize_int4` of one weight run once; the kernels built from it share it."
+    global _shared
+    outer = _shared
+    _shared = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
+@once_per_weight
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Per-output-channel symmetric int8: `w ≈ q * scale[:, None]`; (q int8 [N, K], scale float32 [N])."
     q = torch.empty(w.shape, dtype=torch.int8)
@@ -194,6 +233,7 @@ def _refit(part: torch.Tensor, levels: torch.Tensor, s: torch.Tensor, lo: torch.
     return fit_s, torch.where(ok, part.mean(-1) - fit_s * mean, lo)
 
 
+@once_per_weight
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Group-wise asymmetric int4: (q int32 [N, K] in 0..15, scale [N, K/g], zero [N, K/g]), float32."
     n, k = w.shape
@@ -262,6 +302,250 @@ def forward(self: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 def extra_repr(self: Int4Linear) -> str:
     return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
+# %% ../nbs/01b_cpu_kernels.ipynb #c17b5029
+INT4_VNNI_C = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline __m512 load16(const void* p, int bf16) {  // 16 floats from float32 or bfloat16
+  if (!bf16) return _mm512_loadu_ps(p);
+  __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+static inline void store16(void* p, __m512 v, int bf16) {  // 16 floats to float32 or bfloat16 (nearest even)
+  if (!bf16) { _mm512_storeu_ps(p, v); return; }
+  __m512i u = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+// Every 32 activations of a row to int8 levels with their own step d (the group's largest |x| / 127);
+// s = d * the sum of the group's levels, which the weights' offsets multiply.
+static void quantize_rows(const void* x, int bf16, int M, int K, int8_t* xq, float* d, float* s) {
+  int G = K / 32, size = bf16 ? 2 : 4;
+  for (int r = 0; r < M; r++)
+    for (int g = 0; g < G; g++) {
+      long at = (long)r * K + g * 32;
+      __m512 a = load16((const char*)x + at * size, bf16);
+      __m512 b = load16((const char*)x + (at + 16) * size, bf16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+      __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128((__m128i*)(xq + at), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(xq + at + 16), _mm512_cvtsepi32_epi8(qb));
+      d[r * G + g] = amax / 127.f;
+      s[r * G + g] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+// R rows (at most 4) against one block of 16 output channels, accumulated in acc[R] (16 floats each).
+// Per group of 32 inputs: four 64-byte loads of levels, each 16 channels x 8 inputs (low nibbles: inputs
+// 0-3, high: 4-7); vpdpbusd multiplies 64 unsigned levels by 4 int8 activations broadcast to every channel
+// and adds each channel's four products into its int32 lane. Then, in float:
+// y += d * scale * dot + s * offset.
+static inline __attribute__((always_inline)) void block_rows(
+    const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d, const float* s, int R, int K,
+    __m512* acc) {
+  int G = K / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512i dot[4];
+    for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+      _mm_prefetch((const char*)w + (g * 4 + c) * 64 + 4096, _MM_HINT_T0);  // 4 KB ahead: 25% faster
+      __m512i v = _mm512_loadu_si512(w + (g * 4 + c) * 64);
+      __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int r = 0; r < R; r++) {
+        const int32_t* xk = (const int32_t*)(xq + (long)r * K + g * 32 + c * 8);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(xk[0]));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(xk[1]));
+      }
+    }
+    _mm_prefetch((const char*)(sm + g * 32) + 1024, _MM_HINT_T0);
+    __m512 scale = load16(sm + g * 32, 1), offset = load16(sm + g * 32 + 16, 1);
+    for (int r = 0; r < R; r++) {
+      __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), ds, acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * G + g]), acc[r]);
+    }
+  }
+}
+
+#define ROWS(n) case n: block_rows(wp, sp, xq + (long)r0 * K, d + r0 * G, s + r0 * G, n, K, acc); break;
+
+// y [M, N] = x [M, K] W^T + bias. W: int4 levels `w` [N/16][K/8][16][4] bytes (two levels a byte) and
+// bfloat16 `sm` [N/16][K/32][2][16] (each group's scale, then offset: a weight is level * scale + offset).
+// x and y float32 or bfloat16 (`bf16`), bias float32 or NULL. Returns 0, or -1 where memory ran out.
+int int4_vnni_linear(const void* x, int bf16, int M, int K, const uint8_t* w, const uint16_t* sm,
+                     const float* bias, int N, void* y, int threads) {
+  int G = K / 32, NB = N / 16;
+  int8_t* xq = malloc((size_t)M * K + 1);
+  float* d = malloc(sizeof(float) * ((size_t)M * G * 2 + 1));
+  if (!xq || !d) { free(xq); free(d); return -1; }
+  float* s = d + (size_t)M * G;
+  quantize_rows(x, bf16, M, K, xq, d, s);
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int nb = 0; nb < NB; nb++) {
+    const uint8_t* wp = w + (long)nb * (K / 8) * 64;
+    const uint16_t* sp = sm + (long)nb * G * 32;
+    __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+    for (int r0 = 0; r0 < M; r0 += 4) {
+      __m512 acc[4] = {0};
+      int R = M - r0 < 4 ? M - r0 : 4;
+      switch (R) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) }
+      for (int r = 0; r < R; r++)
+        store16((char*)y + ((long)(r0 + r) * N + nb * 16) * (bf16 ? 2 : 4), _mm512_add_ps(acc[r], b), bf16);
+    }
+  }
+  free(xq);
+  free(d);
+  return 0;
+}
+
+// 0 where the kernel agrees with plain C on a small product: run once, in a child process, before first use
+// (a CPU that lists the flags but faults on the instructions kills the child, not the server).
+int int4_vnni_selftest(void) {
+  enum { M = 5, K = 64, N = 32, G = K / 32 };
+  static uint8_t w[N / 16 * K / 8 * 64];
+  static uint16_t sm[N / 16 * G * 32];
+  static float x[M * K], y[M * N], bias[N];
+  for (int n = 0; n < N; n++) {
+    bias[n] = n / 8.f;
+    for (int g = 0; g < G; g++) {  // scales and offsets that bfloat16 holds exactly
+      float sc = (1 + (n + g) % 5) / 64.f, off = -((n * g) % 3) / 8.f;
+      uint32_t a, b;
+      __builtin_memcpy(&a, &sc, 4);
+      __builtin_memcpy(&b, &off, 4);
+      sm[((n / 16) * G + g) * 32 + n % 16] = a >> 16;
+      sm[((n / 16) * G + g) * 32 + 16 + n % 16] = b >> 16;
+    }
+    for (int k = 0; k < K; k++) {
+      uint8_t q = (n * 7 + k * 3) % 16;
+      uint8_t* at = w + (((n / 16) * (K / 8) + k / 8) * 16 + n % 16) * 4 + k % 4;
+      *at |= k % 8 < 4 ? q : q << 4;
+    }
+  }
+  for (int i = 0; i < M * K; i++) x[i] = ((i * 5) % 17 - 8) / 4.f;  // |x| <= 2
+  if (int4_vnni_linear(x, 0, M, K, w, sm, bias, N, y, 1)) return 2;
+  for (int r = 0; r < M; r++)
+    for (int n = 0; n < N; n++) {
+      double want = bias[n], bound = 1e-3;
+      for (int k = 0; k < K; k++) {
+        int g = k / 32;
+        double sc = (1 + (n + g) % 5) / 64., off = -((n * g) % 3) / 8.;
+        double wt = ((n * 7 + k * 3) % 16) * sc + off;
+        want += wt * x[r * K + k];
+        bound += fabs(wt) * 2. / 127;  // int8 activations: each off by at most half a step of 2 / 127
+      }
+      if (fabs(y[r * N + n] - want) > bound) return 1;
+    }
+  return 0;
+}
+"""
+VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})  # as /proc/cpuinfo names them
+VNNI_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
+_SELFTEST = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).int4_vnni_selftest())"
+
+
+def _compile_vnni(cc: str, path: Path) -> str | None:
+    "Build `INT4_VNNI_C` into `path` if it compiles and passes its self-test in a child; else why not."
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, lib = Path(tmp) / "int4_vnni.c", Path(tmp) / "int4_vnni.so"
+        src.write_text(INT4_VNNI_C)
+        built = subprocess.run([cc, *VNNI_CFLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        if built.returncode:
+            return f"{cc} failed: {built.stderr.strip()[-300:]}"
+        tried = subprocess.run([sys.executable, "-c", _SELFTEST, str(lib)], capture_output=True, timeout=120)
+        if tried.returncode:
+            return f"its self-test failed (exit status {tried.returncode})"
+        os.replace(lib, path)  # atomic: a process starting alongside sees the whole file or none
+    return None
+
+
+@functools.cache
+def int4_vnni_library() -> ctypes.CDLL | None:
+    "The compiled int4 x int8 kernel (built once per machine and source), or None where it cannot run here."
+    if not VNNI_FLAGS <= cpu_flags():
+        return None
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    if cc is None:
+        log.info("minivllm: no C compiler (cc): the int4/vnni kernel is not a candidate")
+        return None
+    key = hashlib.sha256("\0".join([INT4_VNNI_C, cc, *VNNI_CFLAGS]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"int4_vnni_{key}.so"
+    t0, build = time.perf_counter(), not path.exists()
+    try:
+        why = _compile_vnni(cc, path) if build else None
+        lib = None if why else ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:  # a cache we cannot write, a child that hung, ...
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        log.warning(f"minivllm: the int4/vnni kernel is not a candidate: {why}")
+        return None
+    if build:
+        log.info(f"minivllm: built the int4/vnni kernel in {time.perf_counter() - t0:.1f} s ({path})")
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.int4_vnni_linear.argtypes = [P, I, I, I, P, P, P, I, P, I]
+    lib.int4_vnni_linear.restype = I
+    return lib
+
+# %% ../nbs/01b_cpu_kernels.ipynb #683670d3
+def int4_vnni_supported(out_features: int, in_features: int, group_size: int = 32) -> bool:
+    "Whether the int4/vnni kernel runs here and takes this shape: out a multiple of 16, groups of 32."
+    ok = out_features % 16 == 0 and int4_group_size(in_features, group_size) == 32
+    return ok and int4_vnni_library() is not None
+
+
+class Int4VNNILinear(nn.Module):
+    "A linear layer with int4 weights in groups of 32 times int8 activations (`INT4_VNNI_C`, AVX-512 VNNI)."
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        n, k = q.shape
+        if n % 16 or k % 32 or scale.shape != (n, k // 32):
+            raise ValueError(f"int4/vnni needs out % 16 == 0 and groups of 32, not {n}x{k} in {scale.shape}")
+        self.out_features, self.in_features, self.group_size = n, k, 32
+        q8 = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [N/16, lane, K/8, low or high nibble, 4]
+        levels = (q8[:, :, :, 0] | (q8[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N/16, K/8, 16, 4] bytes
+        self.qweight = nn.Parameter(levels.contiguous(), requires_grad=False)
+        sm = torch.stack([scale, zero - 8 * scale]).view(2, n // 16, 16, k // 32)  # [2, N/16, lane, G]
+        self.scales = nn.Parameter(sm.permute(1, 3, 0, 2).contiguous().bfloat16(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, group_size: int = 32) -> Int4VNNILinear:
+        "`lin` quantized to int4 in groups of 32 (`group_size` must allow 32: see `int4_vnni_supported`)."
+        if int4_group_size(lin.in_features, group_size) != 32:
+            raise ValueError(f"int4/vnni needs groups of 32; group_size {group_size} gives another here")
+        return cls(*quantize_int4(lin.weight, 32), lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [T, in]
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
+        rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)  # [T, out]
+        if rows.shape[0]:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            failed = int4_vnni_library().int4_vnni_linear(
+                rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], self.in_features,
+                self.qweight.data_ptr(), self.scales.data_ptr(), bias, self.out_features, y.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            if failed:
+                raise MemoryError(f"int4/vnni: no memory for {rows.shape[0]} rows of int8 activations")
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # [..., out]
+
+    def extra_repr(self) -> str:
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, group_size=32, int8 activations"
+
 # %% ../nbs/01b_cpu_kernels.ipynb #96db89c8
 SHORTLIST = 16  # tokens per row that the int4 pass of `ShortlistHead` hands to int8
 
@@ -269,16 +553,18 @@ SHORTLIST = 16  # tokens per row that the int4 pass of `ShortlistHead` hands to 
 class ShortlistHead(nn.Module):
     "An LM head in two passes: int4 weights score every token, int8 weights re-score each row's `k` best."
 
-    def __init__(self, coarse: Int4Linear, fine: Int8Linear, k: int = SHORTLIST):
+    def __init__(self, coarse: Int4Linear | Int4VNNILinear, fine: Int8Linear, k: int = SHORTLIST):
         super().__init__()
         self.coarse, self.k = coarse, min(k, coarse.out_features)
         self.in_features, self.out_features = coarse.in_features, coarse.out_features
         object.__setattr__(self, "fine", fine)  # k rows of it read a step: not counted as a parameter
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, group_size: int = 32, k: int = SHORTLIST) -> ShortlistHead:
-        "`lin` quantized twice: to int4 for the shortlist, to int8 for its scores."
-        return cls(Int4Linear.from_linear(lin, group_size), Int8Linear.from_linear(lin), k)
+    def from_linear(
+        cls, lin: nn.Linear, group_size: int = 32, k: int = SHORTLIST, coarse: type = Int4Linear
+    ) -> ShortlistHead:
+        "`lin` quantized twice: to int4 for the shortlist (in kernel `coarse`), to int8 for its scores."
+        return cls(coarse.from_linear(lin, group_size), Int8Linear.from_linear(lin), k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, in]
@@ -335,9 +621,14 @@ def kernel_candidates(
             ks["int8/onednn"] = Int8OneDNNLinear.from_linear
         if head and int4_supported(lin.out_features, lin.in_features, group_size):
             ks["int4+int8"] = functools.partial(ShortlistHead.from_linear, group_size=group_size)
+        if head and int4_vnni_supported(lin.out_features, lin.in_features, group_size):
+            ks["int4/vnni+int8"] = functools.partial(ShortlistHead.from_linear, coarse=Int4VNNILinear)
         return ks
     make = functools.partial(Int4Linear.from_linear, group_size=group_size)
-    return {k: functools.partial(make, compute_dtype=c) for k, c in computes.items()}
+    ks = {k: functools.partial(make, compute_dtype=c) for k, c in computes.items()}
+    if int4_vnni_supported(lin.out_features, lin.in_features, group_size):
+        ks["int4/vnni"] = Int4VNNILinear.from_linear
+    return ks
 
 # %% ../nbs/01b_cpu_kernels.ipynb #35033569
 TIME_ROWS = (1, 8, 32)  # rows per call timed: one user, a few, and a typical batch
@@ -412,7 +703,8 @@ def choose_kernel(
 ) -> tuple[Plan, dict[str, list[float]], dict[str, nn.Module]]:
     "The plan for `lin` (see `plan_of`), each candidate's seconds per timed row count, `lin` in each kernel."
     kernels = kernel_candidates(lin, quantization, pack, group_size, head)
-    mods = {name: make(lin) for name, make in kernels.items()}
+    with quantized_once():
+        mods = {name: make(lin) for name, make in kernels.items()}
     if len(kernels) == 1:
         return [(1, next(iter(kernels)))], {}, mods
     secs = time_kernels(mods, lin.in_features, lin.weight.dtype)
@@ -571,7 +863,8 @@ def prepare_linears(
         with torch.no_grad():
             if key in plans:  # a shape decided before: build this layer in its plan's kernels
                 kernels = kernel_candidates(lin, q, pack, group_size, head)
-                mods = {k: kernels[k](lin) for _, k in plans[key]}
+                with quantized_once():
+                    mods = {k: kernels[k](lin) for _, k in plans[key]}
             else:  # the first layer of its shape: timed in every candidate, which its plan keeps
                 plans[key], secs, mods = choose_kernel(lin, q, pack, group_size, two, head)
                 report.seconds_timing += time.perf_counter() - t0

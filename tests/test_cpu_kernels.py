@@ -265,6 +265,133 @@ def test_prepared_model_runs_the_shortlist_head_at_one_row(monkeypatch, one_row)
 
 
 # ----------------------------------------------------------------------------------------------------------
+# int4 weights x int8 activations: our C kernel, on AVX-512 VNNI
+
+VNNI = ck.int4_vnni_library() is not None
+needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX-512 VNNI, or there is no C compiler")
+
+
+def vnni_reference(x, q, scale, zero, bias) -> torch.Tensor:
+    "The kernel's arithmetic in float64: activations rounded to int8 per group of 32, scales in bfloat16."
+    groups = x.float().reshape(x.shape[0], -1, 32)  # [M, G, 32]
+    amax = groups.abs().amax(-1)
+    levels = torch.round(groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))[..., None]).double()
+    d = (amax / 127).double()  # [M, G]
+    n, k = q.shape
+    dots = torch.einsum("mgk,ngk->mng", levels, q.double().reshape(n, k // 32, 32))  # [M, N, G]
+    s, m = scale.bfloat16().double(), (zero - 8 * scale).bfloat16().double()
+    y = (dots * s * d[:, None]).sum(-1) + (levels.sum(-1) * d) @ m.T
+    return y if bias is None else y + bias.double()
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_vnni_matches_its_arithmetic(dtype, rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 80, bias=bias)  # 5 blocks of 16 channels (unequal shares for two threads), 3 groups
+    q, scale, zero = quantize_int4(lin.weight, 32)
+    layer = ck.Int4VNNILinear(q, scale, zero, lin.bias)
+    x = torch.randn(rows, 96).to(dtype)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 80)
+    want = vnni_reference(x, q, scale, zero, lin.bias)
+    if dtype == torch.float32:
+        assert rel(got, want) <= 1e-5
+    else:  # the kernel rounds its float32 result once: within a bfloat16 rounding of the exact one
+        assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    exact = F.linear(x.float(), dequantize_int4(q, scale, zero), lin.bias)
+    assert rel(got, exact) <= 0.03  # what the int8 activations cost on top of the int4 weights
+
+
+@needs_vnni
+def test_int4_vnni_shapes_and_other_dtypes():
+    lin = nn.Linear(64, 32)
+    layer = ck.Int4VNNILinear.from_linear(lin)
+    with torch.no_grad():
+        x = torch.randn(2, 3, 64)
+        assert layer(x).shape == (2, 3, 32)
+        assert layer(torch.randn(0, 64)).shape == (0, 32)
+        half = layer(x.half())  # float16 goes through float32 and comes back float16
+        assert half.dtype == torch.float16 and rel(half, layer(x)) <= 1e-2  # x rounded to float16 first
+        assert rel(layer(x[:, :1].contiguous()), layer(x)[:, :1]) <= 1e-6  # a row is computed alike alone
+        strided = x.transpose(0, 1)  # not contiguous
+        assert torch.equal(layer(strided), layer(strided.contiguous()))
+
+
+def test_int4_vnni_refuses_other_groups_and_shapes():
+    with pytest.raises(ValueError, match="groups of 32"):
+        ck.Int4VNNILinear.from_linear(nn.Linear(128, 48), group_size=64)
+    q, scale, zero = quantize_int4(torch.randn(40, 64), 32)
+    with pytest.raises(ValueError, match="out % 16"):
+        ck.Int4VNNILinear(q, scale, zero, None)
+
+
+@pytest.fixture
+def fresh_vnni(monkeypatch, tmp_path):
+    "int4_vnni_library() asked anew, with its cache in tmp_path; forgotten again afterwards."
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    ck.int4_vnni_library.cache_clear()
+    yield tmp_path
+    ck.int4_vnni_library.cache_clear()
+
+
+def test_int4_vnni_not_offered_without_the_flags(monkeypatch, fresh_vnni):
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx2", "fma"})
+    assert ck.int4_vnni_library() is None
+    assert "int4/vnni" not in kernel_candidates(nn.Linear(64, 48).bfloat16(), "int4")
+    assert not (fresh_vnni / "kernels").exists()  # nothing compiled
+
+
+@pytest.mark.parametrize("cc", ["no-such-compiler", "false"])
+def test_int4_vnni_without_a_working_compiler(monkeypatch, fresh_vnni, caplog, cc):
+    monkeypatch.setattr(ck, "cpu_flags", lambda: set(ck.VNNI_FLAGS))
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        assert ck.int4_vnni_library() is None
+    assert "int4/vnni kernel is not a candidate" in caplog.text or "no C compiler" in caplog.text
+    assert not list((fresh_vnni / "kernels").glob("*.so")) if (fresh_vnni / "kernels").exists() else True
+
+
+@needs_vnni
+def test_int4_vnni_built_once_into_the_cache(fresh_vnni, caplog):
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        assert ck.int4_vnni_library() is not None
+    assert "built the int4/vnni kernel" in caplog.text
+    built = list((fresh_vnni / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no sources or temporaries left behind
+    ck.int4_vnni_library.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        assert ck.int4_vnni_library() is not None  # a new process: loaded from the cache, not built
+    assert "built" not in caplog.text and list((fresh_vnni / "kernels").iterdir()) == built
+
+
+@needs_vnni
+def test_int4_vnni_self_test_turns_down_a_wrong_build(monkeypatch, fresh_vnni, caplog):
+    wrong = ck.INT4_VNNI_C.replace("q << 4", "q << 5")  # the self-test's own packing corrupted
+    assert wrong != ck.INT4_VNNI_C
+    monkeypatch.setattr(ck, "INT4_VNNI_C", wrong)
+    assert ck.int4_vnni_library() is None
+    assert "self-test failed" in caplog.text
+    assert not list((fresh_vnni / "kernels").glob("*.so"))  # not kept: the next start tries again
+
+
+@needs_vnni
+def test_prepared_model_runs_int4_vnni(monkeypatch):
+    fake = {"int4/vnni": [0.1, 0.1, 0.1]}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [5.0] * 3) for n in mods})
+    ref = tiny(dtype=torch.bfloat16)
+    m = tiny(dtype=torch.bfloat16)
+    report = prepare_linears(m, "int4")
+    assert report.choices["128x64"] == "int4/vnni"
+    assert kinds(m.model.layers[0].mlp.gate_proj) == {ck.Int4VNNILinear}
+    assert rel(logits(m, IDS), logits(ref, IDS)) <= 0.15  # int4 weights: close, not equal
+
+
+# ----------------------------------------------------------------------------------------------------------
 # candidates and the choice
 
 
@@ -275,10 +402,14 @@ def test_candidates_per_format():
     assert len(kernel_candidates(lin, pack=False)) == 1
     onednn = ["int8/onednn"] if ck.onednn_int8_supported() else []  # int8 x int8 where VNNI or AMX
     assert list(kernel_candidates(lin, "int8")) == ["int8", "int8/bf16", *onednn]  # float32: bf16 compute too
-    assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4"]
+    vnni = ["int4/vnni"] if VNNI else []  # our int4 x int8 kernel where the CPU has AVX-512 VNNI
+    assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4", *vnni]
+    assert list(kernel_candidates(nn.Linear(64, 48), "int4")) == ["int4", "int4/bf16", *vnni]
+    assert list(kernel_candidates(lin.bfloat16(), "int4", group_size=64)) == ["int4"]  # groups of 64: not VNNI's
     assert list(kernel_candidates(nn.Linear(64, 40), "int4")) == ["int8", "int8/bf16", *onednn]  # refused: int8
     # the LM head, int8: the int4 shortlist too, where the int4 kernel takes the shape
-    assert list(kernel_candidates(nn.Linear(64, 48), "int8", head=True)) == ["int8", "int8/bf16", *onednn, "int4+int8"]
+    shortlists = ["int4+int8", *(["int4/vnni+int8"] if VNNI else [])]
+    assert list(kernel_candidates(nn.Linear(64, 48), "int8", head=True)) == ["int8", "int8/bf16", *onednn, *shortlists]
     assert "int4+int8" not in kernel_candidates(nn.Linear(64, 40), "int8", head=True)
     assert "int4+int8" not in kernel_candidates(nn.Linear(64, 48), head=True)  # a float head: float kernels
     if not packing_supported(torch.bfloat16):
@@ -376,7 +507,7 @@ def test_quantized_model_close_to_float(quantization, limit, tied, caplog):
     assert rel(got, ref) <= limit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     int8 = {Int8Linear, ck.Int8OneDNNLinear}
-    layers = {Int4Linear} if quantization == "int4" else int8
+    layers = {Int4Linear, ck.Int4VNNILinear} if quantization == "int4" else int8
     assert kinds(m.model.layers[0].mlp.down_proj) <= layers and kinds(m.model.layers[1].self_attn.k_proj) <= layers
     # an int8 head, tied or not; the embedding keeps the float table, and `weight` still answers the dtype
     assert kinds(m.lm_head) <= int8 and m.lm_head.weight.dtype == torch.float32
