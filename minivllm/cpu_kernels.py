@@ -31,14 +31,14 @@ log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'INT4_VNNI_C', 'VNNI_FLAGS', 'VNNI_CFLAGS', 'SHORTLIST',
-           'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16',
-           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
-           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'int4_supported', 'Int4Linear', 'int4_vnni_library', 'int4_vnni_supported',
-           'Int4VNNILinear', 'ShortlistHead', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of',
-           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
-           'RowBuckets', 'kernels_of', 'KernelReport', 'prepare_linears']
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'INT4_C', 'INT4_ISAS', 'INT4_CFLAGS', 'SHORTLIST', 'Kernel',
+           'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight',
+           'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows',
+           'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
+           'int4_supported', 'Int4Linear', 'int4_isas', 'int4_library', 'int4_int8_supported', 'Int4Int8Linear',
+           'ShortlistHead', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of', 'plan_name',
+           'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets',
+           'kernels_of', 'KernelReport', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpu_flags() -> set[str]:
@@ -303,53 +303,62 @@ def extra_repr(self: Int4Linear) -> str:
     return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #c17b5029
-INT4_VNNI_C = r"""
+INT4_C = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-static inline __m512 load16(const void* p, int bf16) {  // 16 floats from float32 or bfloat16
-  if (!bf16) return _mm512_loadu_ps(p);
-  __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+static float value(const void* x, int bf16, long i) {  // element i of a float32 or bfloat16 array
+  if (!bf16) return ((const float*)x)[i];
+  uint32_t u = (uint32_t)((const uint16_t*)x)[i] << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
 }
 
-static inline void store16(void* p, __m512 v, int bf16) {  // 16 floats to float32 or bfloat16 (nearest even)
-  if (!bf16) { _mm512_storeu_ps(p, v); return; }
-  __m512i u = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+static void put(void* y, int bf16, long i, float f) {  // element i of a float32 or bfloat16 array
+  if (!bf16) { ((float*)y)[i] = f; return; }
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  ((uint16_t*)y)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  // to nearest, ties to even
 }
 
 // Every 32 activations of a row to int8 levels with their own step d (the group's largest |x| / 127);
 // s = d * the sum of the group's levels, which the weights' offsets multiply.
 static void quantize_rows(const void* x, int bf16, int M, int K, int8_t* xq, float* d, float* s) {
-  int G = K / 32, size = bf16 ? 2 : 4;
+  int G = K / 32;
   for (int r = 0; r < M; r++)
     for (int g = 0; g < G; g++) {
       long at = (long)r * K + g * 32;
-      __m512 a = load16((const char*)x + at * size, bf16);
-      __m512 b = load16((const char*)x + (at + 16) * size, bf16);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-      __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128((__m128i*)(xq + at), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128((__m128i*)(xq + at + 16), _mm512_cvtsepi32_epi8(qb));
+      float amax = 0.f;
+      for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(value(x, bf16, at + i)));
+      float inv = amax > 0 ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int i = 0; i < 32; i++) {
+        int q = (int)nearbyintf(value(x, bf16, at + i) * inv);  // to nearest, ties to even
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        xq[at + i] = (int8_t)q;
+        sum += q;
+      }
       d[r * G + g] = amax / 127.f;
-      s[r * G + g] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      s[r * G + g] = amax / 127.f * (float)sum;
     }
 }
 
+// ---- AVX-512 VNNI: 16 channels a vector.
 // R rows (at most 4) against one block of 16 output channels, accumulated in acc[R] (16 floats each).
 // Per group of 32 inputs: four 64-byte loads of levels, each 16 channels x 8 inputs (low nibbles: inputs
 // 0-3, high: 4-7); vpdpbusd multiplies 64 unsigned levels by 4 int8 activations broadcast to every channel
 // and adds each channel's four products into its int32 lane. Then, in float:
 // y += d * scale * dot + s * offset.
-static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d, const float* s, int R, int K,
-    __m512* acc) {
+AVX512 INLINE void rows_vnni(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
+                             const float* s, int R, int K, __m512* acc) {
   int G = K / 32;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -367,7 +376,10 @@ static inline __attribute__((always_inline)) void block_rows(
       }
     }
     _mm_prefetch((const char*)(sm + g * 32) + 1024, _MM_HINT_T0);
-    __m512 scale = load16(sm + g * 32, 1), offset = load16(sm + g * 32 + 16, 1);
+    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sm + g * 32)));
+    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));  // bfloat16 to float32: a shift
+    bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sm + g * 32 + 16)));
+    __m512 offset = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
     for (int r = 0; r < R; r++) {
       __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), ds, acc[r]);
@@ -376,13 +388,98 @@ static inline __attribute__((always_inline)) void block_rows(
   }
 }
 
-#define ROWS(n) case n: block_rows(wp, sp, xq + (long)r0 * K, d + r0 * G, s + r0 * G, n, K, acc); break;
+AVX512 static void block_vnni(const uint8_t* wp, const uint16_t* sp, const int8_t* xq, const float* d,
+                              const float* s, const float* bias, int M, int K, int N, int nb, int bf16,
+                              void* y) {
+  int G = K / 32;
+  for (int r0 = 0; r0 < M; r0 += 4) {
+    __m512 acc[4] = {0};
+    float out[16];
+    int R = M - r0 < 4 ? M - r0 : 4;
+    const int8_t* x = xq + (long)r0 * K;
+    switch (R) {
+      case 1: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 1, K, acc); break;
+      case 2: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 2, K, acc); break;
+      case 3: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 3, K, acc); break;
+      default: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 4, K, acc);
+    }
+    for (int r = 0; r < R; r++) {
+      _mm512_storeu_ps(out, acc[r]);
+      for (int j = 0; j < 16; j++)
+        put(y, bf16, (long)(r0 + r) * N + nb * 16 + j, out[j] + (bias ? bias[nb * 16 + j] : 0.f));
+    }
+  }
+}
 
-// y [M, N] = x [M, K] W^T + bias. W: int4 levels `w` [N/16][K/8][16][4] bytes (two levels a byte) and
-// bfloat16 `sm` [N/16][K/32][2][16] (each group's scale, then offset: a weight is level * scale + offset).
-// x and y float32 or bfloat16 (`bf16`), bias float32 or NULL. Returns 0, or -1 where memory ran out.
-int int4_vnni_linear(const void* x, int bf16, int M, int K, const uint8_t* w, const uint16_t* sm,
-                     const float* bias, int N, void* y, int threads) {
+// ---- AVX2: the same layout, 8 channels a vector. vpmaddubsw multiplies 32 unsigned levels by 32 int8
+// activations and adds pairs into 16-bit lanes (at most 2 * 15 * 127 each, 8 of them a group: no overflow);
+// vpmaddwd by ones then adds the pairs of those into each channel's int32 lane.
+AVX2 INLINE void rows_avx2(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
+                           const float* s, int R, int K, __m256* acc) {
+  int G = K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m256i sum[8];  // [row][half of the 16 channels], 16-bit
+    for (int i = 0; i < 2 * R; i++) sum[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+      _mm_prefetch((const char*)w + (g * 4 + c) * 64 + 4096, _MM_HINT_T0);
+      for (int h = 0; h < 2; h++) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g * 4 + c) * 64 + h * 32));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) {
+          const int32_t* xk = (const int32_t*)(xq + (long)r * K + g * 32 + c * 8);
+          __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xk[0]));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xk[1])));
+          sum[r * 2 + h] = _mm256_add_epi16(sum[r * 2 + h], p);
+        }
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sm + g * 32 + h * 8)));
+      __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+      bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sm + g * 32 + 16 + h * 8)));
+      __m256 offset = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+      for (int r = 0; r < R; r++) {
+        __m256i dot = _mm256_madd_epi16(sum[r * 2 + h], ones);
+        __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(d[r * G + g]));
+        acc[r * 2 + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[r * 2 + h]);
+        acc[r * 2 + h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s[r * G + g]), acc[r * 2 + h]);
+      }
+    }
+  }
+}
+
+AVX2 static void block_avx2(const uint8_t* wp, const uint16_t* sp, const int8_t* xq, const float* d,
+                            const float* s, const float* bias, int M, int K, int N, int nb, int bf16,
+                            void* y) {
+  int G = K / 32;
+  for (int r0 = 0; r0 < M; r0 += 4) {
+    __m256 acc[8] = {0};
+    float out[16];
+    int R = M - r0 < 4 ? M - r0 : 4;
+    const int8_t* x = xq + (long)r0 * K;
+    switch (R) {
+      case 1: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 1, K, acc); break;
+      case 2: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 2, K, acc); break;
+      case 3: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 3, K, acc); break;
+      default: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 4, K, acc);
+    }
+    for (int r = 0; r < R; r++) {
+      _mm256_storeu_ps(out, acc[2 * r]);
+      _mm256_storeu_ps(out + 8, acc[2 * r + 1]);
+      for (int j = 0; j < 16; j++)
+        put(y, bf16, (long)(r0 + r) * N + nb * 16 + j, out[j] + (bias ? bias[nb * 16 + j] : 0.f));
+    }
+  }
+}
+
+// y [M, N] = x [M, K] W^T + bias, in the instructions `isa` names (0: AVX-512 VNNI, 1: AVX2). W: int4 levels
+// `w` [N/16][K/8][16][4] bytes (two levels a byte) and bfloat16 `sm` [N/16][K/32][2][16] (each group's
+// scale, then its offset: a weight is level * scale + offset). x and y float32 or bfloat16 (`bf16`), bias
+// float32 or NULL. Returns 0, or -1 where memory ran out.
+int int4_linear(int isa, const void* x, int bf16, int M, int K, const uint8_t* w, const uint16_t* sm,
+                const float* bias, int N, void* y, int threads) {
   int G = K / 32, NB = N / 16;
   int8_t* xq = malloc((size_t)M * K + 1);
   float* d = malloc(sizeof(float) * ((size_t)M * G * 2 + 1));
@@ -393,34 +490,29 @@ int int4_vnni_linear(const void* x, int bf16, int M, int K, const uint8_t* w, co
   for (int nb = 0; nb < NB; nb++) {
     const uint8_t* wp = w + (long)nb * (K / 8) * 64;
     const uint16_t* sp = sm + (long)nb * G * 32;
-    __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
-    for (int r0 = 0; r0 < M; r0 += 4) {
-      __m512 acc[4] = {0};
-      int R = M - r0 < 4 ? M - r0 : 4;
-      switch (R) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) }
-      for (int r = 0; r < R; r++)
-        store16((char*)y + ((long)(r0 + r) * N + nb * 16) * (bf16 ? 2 : 4), _mm512_add_ps(acc[r], b), bf16);
-    }
+    if (isa == 0) block_vnni(wp, sp, xq, d, s, bias, M, K, N, nb, bf16, y);
+    else block_avx2(wp, sp, xq, d, s, bias, M, K, N, nb, bf16, y);
   }
   free(xq);
   free(d);
   return 0;
 }
 
-// 0 where the kernel agrees with plain C on a small product: run once, in a child process, before first use
-// (a CPU that lists the flags but faults on the instructions kills the child, not the server).
-int int4_vnni_selftest(void) {
+// 0 where `isa`'s kernel agrees with plain C on a small product: run once, in a child process, before first
+// use (a CPU that lists the flags but faults on the instructions kills the child, not the server).
+int int4_selftest(int isa) {
   enum { M = 5, K = 64, N = 32, G = K / 32 };
   static uint8_t w[N / 16 * K / 8 * 64];
   static uint16_t sm[N / 16 * G * 32];
   static float x[M * K], y[M * N], bias[N];
+  memset(w, 0, sizeof w);
   for (int n = 0; n < N; n++) {
     bias[n] = n / 8.f;
     for (int g = 0; g < G; g++) {  // scales and offsets that bfloat16 holds exactly
       float sc = (1 + (n + g) % 5) / 64.f, off = -((n * g) % 3) / 8.f;
       uint32_t a, b;
-      __builtin_memcpy(&a, &sc, 4);
-      __builtin_memcpy(&b, &off, 4);
+      memcpy(&a, &sc, 4);
+      memcpy(&b, &off, 4);
       sm[((n / 16) * G + g) * 32 + n % 16] = a >> 16;
       sm[((n / 16) * G + g) * 32 + 16 + n % 16] = b >> 16;
     }
@@ -431,7 +523,7 @@ int int4_vnni_selftest(void) {
     }
   }
   for (int i = 0; i < M * K; i++) x[i] = ((i * 5) % 17 - 8) / 4.f;  // |x| <= 2
-  if (int4_vnni_linear(x, 0, M, K, w, sm, bias, N, y, 1)) return 2;
+  if (int4_linear(isa, x, 0, M, K, w, sm, bias, N, y, 1)) return 2;
   for (int r = 0; r < M; r++)
     for (int n = 0; n < N; n++) {
       double want = bias[n], bound = 1e-3;
@@ -447,21 +539,36 @@ int int4_vnni_selftest(void) {
   return 0;
 }
 """
-VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})  # as /proc/cpuinfo names them
-VNNI_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
-_SELFTEST = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).int4_vnni_selftest())"
+# our kernels: the index `int4_linear` takes for each, and the CPU flags it needs (named as in /proc/cpuinfo)
+INT4_ISAS = {
+    "vnni": (0, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    "avx2": (1, frozenset({"avx2", "fma"})),
+}
+INT4_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # each kernel names its instructions itself
+_SELFTEST = (
+    "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+    "sys.exit(max(lib.int4_selftest(int(i)) for i in sys.argv[2:]))"
+)
 
 
-def _compile_vnni(cc: str, path: Path) -> str | None:
-    "Build `INT4_VNNI_C` into `path` if it compiles and passes its self-test in a child; else why not."
+def int4_isas() -> list[str]:
+    "Our int4 kernels whose instructions this CPU lists, best first."
+    return [name for name, (_, flags) in INT4_ISAS.items() if flags <= cpu_flags()]
+
+
+def _compile_int4(cc: str, path: Path, isas: list[str]) -> str | None:
+    "Build `INT4_C` into `path` if it compiles and `isas`' self-tests pass in a child; else why not."
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "int4_vnni.c", Path(tmp) / "int4_vnni.so"
-        src.write_text(INT4_VNNI_C)
-        built = subprocess.run([cc, *VNNI_CFLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        src, lib = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
+        src.write_text(INT4_C)
+        built = subprocess.run([cc, *INT4_CFLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
         if built.returncode:
             return f"{cc} failed: {built.stderr.strip()[-300:]}"
-        tried = subprocess.run([sys.executable, "-c", _SELFTEST, str(lib)], capture_output=True, timeout=120)
+        codes = [str(INT4_ISAS[i][0]) for i in isas]
+        tried = subprocess.run(
+            [sys.executable, "-c", _SELFTEST, str(lib), *codes], capture_output=True, timeout=120
+        )
         if tried.returncode:
             return f"its self-test failed (exit status {tried.returncode})"
         os.replace(lib, path)  # atomic: a process starting alongside sees the whole file or none
@@ -469,48 +576,52 @@ def _compile_vnni(cc: str, path: Path) -> str | None:
 
 
 @functools.cache
-def int4_vnni_library() -> ctypes.CDLL | None:
-    "The compiled int4 x int8 kernel (built once per machine and source), or None where it cannot run here."
-    if not VNNI_FLAGS <= cpu_flags():
+def int4_library() -> ctypes.CDLL | None:
+    "Our compiled int4 x int8 kernels (built once per machine and source), or None where none can run here."
+    isas = int4_isas()
+    if not isas:
         return None
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
-        log.info("minivllm: no C compiler (cc): the int4/vnni kernel is not a candidate")
+        log.info("minivllm: no C compiler (cc): our int4 kernels are not candidates")
         return None
-    key = hashlib.sha256("\0".join([INT4_VNNI_C, cc, *VNNI_CFLAGS]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"int4_vnni_{key}.so"
+    key = hashlib.sha256("\0".join([INT4_C, cc, *INT4_CFLAGS]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"int4_{key}_{'_'.join(isas)}.so"  # tested for these instruction sets
     t0, build = time.perf_counter(), not path.exists()
     try:
-        why = _compile_vnni(cc, path) if build else None
+        why = _compile_int4(cc, path, isas) if build else None
         lib = None if why else ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:  # a cache we cannot write, a child that hung, ...
         why = f"{type(e).__name__}: {e}"
     if why is not None:
-        log.warning(f"minivllm: the int4/vnni kernel is not a candidate: {why}")
+        log.warning(f"minivllm: our int4 kernels are not candidates: {why}")
         return None
     if build:
-        log.info(f"minivllm: built the int4/vnni kernel in {time.perf_counter() - t0:.1f} s ({path})")
+        took = time.perf_counter() - t0
+        log.info(f"minivllm: built our int4 kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
     P, I = ctypes.c_void_p, ctypes.c_int
-    lib.int4_vnni_linear.argtypes = [P, I, I, I, P, P, P, I, P, I]
-    lib.int4_vnni_linear.restype = I
+    lib.int4_linear.argtypes = [I, P, I, I, I, P, P, P, I, P, I]
+    lib.int4_linear.restype = I
     return lib
 
 # %% ../nbs/01b_cpu_kernels.ipynb #683670d3
-def int4_vnni_supported(out_features: int, in_features: int, group_size: int = 32) -> bool:
-    "Whether the int4/vnni kernel runs here and takes this shape: out a multiple of 16, groups of 32."
+def int4_int8_supported(out_features: int, in_features: int, group_size: int = 32) -> list[str]:
+    "Our int4 kernels that run here and take this shape (out a multiple of 16, groups of 32), best first."
     ok = out_features % 16 == 0 and int4_group_size(in_features, group_size) == 32
-    return ok and int4_vnni_library() is not None
+    return int4_isas() if ok and int4_library() is not None else []
 
 
-class Int4VNNILinear(nn.Module):
-    "A linear layer with int4 weights in groups of 32 times int8 activations (`INT4_VNNI_C`, AVX-512 VNNI)."
+class Int4Int8Linear(nn.Module):
+    "A linear layer with int4 weights in groups of 32 times int8 activations, in our kernel `isa` (`INT4_C`)."
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, q, scale, zero, bias: torch.Tensor | None, isa: str = "vnni"):
         super().__init__()
         n, k = q.shape
         if n % 16 or k % 32 or scale.shape != (n, k // 32):
-            raise ValueError(f"int4/vnni needs out % 16 == 0 and groups of 32, not {n}x{k} in {scale.shape}")
-        self.out_features, self.in_features, self.group_size = n, k, 32
+            raise ValueError(f"int4/{isa} needs out % 16 == 0 and groups of 32, not {n}x{k} in {scale.shape}")
+        if isa not in INT4_ISAS:
+            raise ValueError(f"no int4 kernel {isa!r}: {list(INT4_ISAS)}")
+        self.out_features, self.in_features, self.group_size, self.isa = n, k, 32, isa
         q8 = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [N/16, lane, K/8, low or high nibble, 4]
         levels = (q8[:, :, :, 0] | (q8[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N/16, K/8, 16, 4] bytes
         self.qweight = nn.Parameter(levels.contiguous(), requires_grad=False)
@@ -519,11 +630,11 @@ class Int4VNNILinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, group_size: int = 32) -> Int4VNNILinear:
-        "`lin` quantized to int4 in groups of 32 (`group_size` must allow 32: see `int4_vnni_supported`)."
+    def from_linear(cls, lin: nn.Linear, group_size: int = 32, isa: str = "vnni") -> Int4Int8Linear:
+        "`lin` quantized to int4 in groups of 32 (`group_size` must allow 32: see `int4_int8_supported`)."
         if int4_group_size(lin.in_features, group_size) != 32:
-            raise ValueError(f"int4/vnni needs groups of 32; group_size {group_size} gives another here")
-        return cls(*quantize_int4(lin.weight, 32), lin.bias)
+            raise ValueError(f"int4/{isa} needs groups of 32; group_size {group_size} gives another here")
+        return cls(*quantize_int4(lin.weight, 32), lin.bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, in]
@@ -533,18 +644,18 @@ class Int4VNNILinear(nn.Module):
         y = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)  # [T, out]
         if rows.shape[0]:
             bias = None if self.bias is None else self.bias.data_ptr()
-            failed = int4_vnni_library().int4_vnni_linear(
-                rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], self.in_features,
-                self.qweight.data_ptr(), self.scales.data_ptr(), bias, self.out_features, y.data_ptr(),
-                torch.get_num_threads(),
+            failed = int4_library().int4_linear(
+                INT4_ISAS[self.isa][0], rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0],
+                self.in_features, self.qweight.data_ptr(), self.scales.data_ptr(), bias, self.out_features,
+                y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
             if failed:
-                raise MemoryError(f"int4/vnni: no memory for {rows.shape[0]} rows of int8 activations")
+                raise MemoryError(f"int4/{self.isa}: no memory for {rows.shape[0]} rows of int8 activations")
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # [..., out]
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
-        return f"{shape}, group_size=32, int8 activations"
+        return f"{shape}, group_size=32, int8 activations, {self.isa}"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #96db89c8
 SHORTLIST = 16  # tokens per row that the int4 pass of `ShortlistHead` hands to int8
@@ -553,7 +664,7 @@ SHORTLIST = 16  # tokens per row that the int4 pass of `ShortlistHead` hands to 
 class ShortlistHead(nn.Module):
     "An LM head in two passes: int4 weights score every token, int8 weights re-score each row's `k` best."
 
-    def __init__(self, coarse: Int4Linear | Int4VNNILinear, fine: Int8Linear, k: int = SHORTLIST):
+    def __init__(self, coarse: Int4Linear | Int4Int8Linear, fine: Int8Linear, k: int = SHORTLIST):
         super().__init__()
         self.coarse, self.k = coarse, min(k, coarse.out_features)
         self.in_features, self.out_features = coarse.in_features, coarse.out_features
@@ -561,10 +672,14 @@ class ShortlistHead(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, lin: nn.Linear, group_size: int = 32, k: int = SHORTLIST, coarse: type = Int4Linear
+        cls,
+        lin: nn.Linear,
+        group_size: int = 32,
+        k: int = SHORTLIST,
+        coarse: Callable = Int4Linear.from_linear,
     ) -> ShortlistHead:
-        "`lin` quantized twice: to int4 for the shortlist (in kernel `coarse`), to int8 for its scores."
-        return cls(coarse.from_linear(lin, group_size), Int8Linear.from_linear(lin), k)
+        "`lin` quantized twice: to int4 for the shortlist (by the factory `coarse`), to int8 for its scores."
+        return cls(coarse(lin, group_size), Int8Linear.from_linear(lin), k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, in]
@@ -621,13 +736,14 @@ def kernel_candidates(
             ks["int8/onednn"] = Int8OneDNNLinear.from_linear
         if head and int4_supported(lin.out_features, lin.in_features, group_size):
             ks["int4+int8"] = functools.partial(ShortlistHead.from_linear, group_size=group_size)
-        if head and int4_vnni_supported(lin.out_features, lin.in_features, group_size):
-            ks["int4/vnni+int8"] = functools.partial(ShortlistHead.from_linear, coarse=Int4VNNILinear)
+        for isa in int4_int8_supported(lin.out_features, lin.in_features, group_size) if head else ():
+            coarse = functools.partial(Int4Int8Linear.from_linear, isa=isa)
+            ks[f"int4/{isa}+int8"] = functools.partial(ShortlistHead.from_linear, coarse=coarse)
         return ks
     make = functools.partial(Int4Linear.from_linear, group_size=group_size)
     ks = {k: functools.partial(make, compute_dtype=c) for k, c in computes.items()}
-    if int4_vnni_supported(lin.out_features, lin.in_features, group_size):
-        ks["int4/vnni"] = Int4VNNILinear.from_linear
+    for isa in int4_int8_supported(lin.out_features, lin.in_features, group_size):
+        ks[f"int4/{isa}"] = functools.partial(Int4Int8Linear.from_linear, isa=isa)
     return ks
 
 # %% ../nbs/01b_cpu_kernels.ipynb #35033569

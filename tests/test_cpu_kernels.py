@@ -265,14 +265,15 @@ def test_prepared_model_runs_the_shortlist_head_at_one_row(monkeypatch, one_row)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# int4 weights x int8 activations: our C kernel, on AVX-512 VNNI
+# int4 weights x int8 activations: our C kernels, on AVX-512 VNNI and AVX2
 
-VNNI = ck.int4_vnni_library() is not None
-needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX-512 VNNI, or there is no C compiler")
+OURS = ck.int4_int8_supported(80, 96)  # the ones this CPU runs, best first
+NO_OURS = "neither AVX-512 VNNI nor AVX2 here, or no C compiler"
+ISAS = OURS or [pytest.param("vnni", marks=pytest.mark.skip(reason=NO_OURS))]
 
 
-def vnni_reference(x, q, scale, zero, bias) -> torch.Tensor:
-    "The kernel's arithmetic in float64: activations rounded to int8 per group of 32, scales in bfloat16."
+def int4_int8_reference(x, q, scale, zero, bias) -> torch.Tensor:
+    "The kernels' arithmetic in float64: activations rounded to int8 per group of 32, scales in bfloat16."
     groups = x.float().reshape(x.shape[0], -1, 32)  # [M, G, 32]
     amax = groups.abs().amax(-1)
     levels = torch.round(groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))[..., None]).double()
@@ -284,20 +285,20 @@ def vnni_reference(x, q, scale, zero, bias) -> torch.Tensor:
     return y if bias is None else y + bias.double()
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_vnni_matches_its_arithmetic(dtype, rows, bias):
+def test_int4_int8_matches_its_arithmetic(isa, dtype, rows, bias):
     torch.manual_seed(rows)
     lin = nn.Linear(96, 80, bias=bias)  # 5 blocks of 16 channels (unequal shares for two threads), 3 groups
     q, scale, zero = quantize_int4(lin.weight, 32)
-    layer = ck.Int4VNNILinear(q, scale, zero, lin.bias)
+    layer = ck.Int4Int8Linear(q, scale, zero, lin.bias, isa)
     x = torch.randn(rows, 96).to(dtype)
     with torch.no_grad():
         got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 80)
-    want = vnni_reference(x, q, scale, zero, lin.bias)
+    want = int4_int8_reference(x, q, scale, zero, lin.bias)
     if dtype == torch.float32:
         assert rel(got, want) <= 1e-5
     else:  # the kernel rounds its float32 result once: within a bfloat16 rounding of the exact one
@@ -306,10 +307,19 @@ def test_int4_vnni_matches_its_arithmetic(dtype, rows, bias):
     assert rel(got, exact) <= 0.03  # what the int8 activations cost on top of the int4 weights
 
 
-@needs_vnni
-def test_int4_vnni_shapes_and_other_dtypes():
+@pytest.mark.skipif(len(OURS) < 2, reason="this CPU runs fewer than two of our int4 kernels")
+def test_int4_int8_kernels_agree_exactly():
+    lin = nn.Linear(128, 64)
+    x = torch.randn(11, 128)
+    with torch.no_grad():  # the same integer sums and the same float steps in the same order: the same bits
+        outs = [ck.Int4Int8Linear.from_linear(lin, isa=isa)(x) for isa in OURS]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_int8_shapes_and_other_dtypes(isa):
     lin = nn.Linear(64, 32)
-    layer = ck.Int4VNNILinear.from_linear(lin)
+    layer = ck.Int4Int8Linear.from_linear(lin, isa=isa)
     with torch.no_grad():
         x = torch.randn(2, 3, 64)
         assert layer(x).shape == (2, 3, 32)
@@ -321,73 +331,89 @@ def test_int4_vnni_shapes_and_other_dtypes():
         assert torch.equal(layer(strided), layer(strided.contiguous()))
 
 
-def test_int4_vnni_refuses_other_groups_and_shapes():
+def test_int4_int8_refuses_other_groups_shapes_and_kernels():
     with pytest.raises(ValueError, match="groups of 32"):
-        ck.Int4VNNILinear.from_linear(nn.Linear(128, 48), group_size=64)
+        ck.Int4Int8Linear.from_linear(nn.Linear(128, 48), group_size=64)
     q, scale, zero = quantize_int4(torch.randn(40, 64), 32)
     with pytest.raises(ValueError, match="out % 16"):
-        ck.Int4VNNILinear(q, scale, zero, None)
+        ck.Int4Int8Linear(q, scale, zero, None)
+    q, scale, zero = quantize_int4(torch.randn(48, 64), 32)
+    with pytest.raises(ValueError, match="no int4 kernel 'sse'"):
+        ck.Int4Int8Linear(q, scale, zero, None, "sse")
 
 
 @pytest.fixture
-def fresh_vnni(monkeypatch, tmp_path):
-    "int4_vnni_library() asked anew, with its cache in tmp_path; forgotten again afterwards."
+def fresh_int4(monkeypatch, tmp_path):
+    "int4_library() asked anew, with its cache in tmp_path; forgotten again afterwards."
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-    ck.int4_vnni_library.cache_clear()
+    ck.int4_library.cache_clear()
     yield tmp_path
-    ck.int4_vnni_library.cache_clear()
+    ck.int4_library.cache_clear()
 
 
-def test_int4_vnni_not_offered_without_the_flags(monkeypatch, fresh_vnni):
-    monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx2", "fma"})
-    assert ck.int4_vnni_library() is None
-    assert "int4/vnni" not in kernel_candidates(nn.Linear(64, 48).bfloat16(), "int4")
-    assert not (fresh_vnni / "kernels").exists()  # nothing compiled
+def built(cache) -> list:
+    return sorted((cache / "kernels").glob("*")) if (cache / "kernels").exists() else []
+
+
+def test_int4_int8_not_offered_without_the_flags(monkeypatch, fresh_int4):
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"sse2", "avx"})
+    assert ck.int4_library() is None and ck.int4_int8_supported(48, 64) == []
+    assert list(kernel_candidates(nn.Linear(64, 48).bfloat16(), "int4")) == ["int4"]
+    assert built(fresh_int4) == []  # nothing compiled
+
+
+@pytest.mark.skipif("avx2" not in OURS, reason="this CPU has no AVX2 or there is no C compiler")
+def test_int4_int8_on_a_cpu_with_avx2_only(monkeypatch, fresh_int4):
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx", "avx2", "fma"})  # an AVX2-only CPU, as Zen 3
+    assert ck.int4_int8_supported(48, 64) == ["avx2"]
+    assert list(kernel_candidates(nn.Linear(64, 48).bfloat16(), "int4")) == ["int4", "int4/avx2"]
+    assert [f.name.endswith("_avx2.so") for f in built(fresh_int4)] == [True]  # tested for AVX2 alone
 
 
 @pytest.mark.parametrize("cc", ["no-such-compiler", "false"])
-def test_int4_vnni_without_a_working_compiler(monkeypatch, fresh_vnni, caplog, cc):
-    monkeypatch.setattr(ck, "cpu_flags", lambda: set(ck.VNNI_FLAGS))
+def test_int4_int8_without_a_working_compiler(monkeypatch, fresh_int4, caplog, cc):
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setenv("CC", cc)
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        assert ck.int4_vnni_library() is None
-    assert "int4/vnni kernel is not a candidate" in caplog.text or "no C compiler" in caplog.text
-    assert not list((fresh_vnni / "kernels").glob("*.so")) if (fresh_vnni / "kernels").exists() else True
+        assert ck.int4_library() is None
+    assert "our int4 kernels are not candidates" in caplog.text or "no C compiler" in caplog.text
+    assert not [f for f in built(fresh_int4) if f.suffix == ".so"]
 
 
-@needs_vnni
-def test_int4_vnni_built_once_into_the_cache(fresh_vnni, caplog):
+@pytest.mark.skipif(not OURS, reason=NO_OURS)
+def test_int4_int8_built_once_into_the_cache(fresh_int4, caplog):
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        assert ck.int4_vnni_library() is not None
-    assert "built the int4/vnni kernel" in caplog.text
-    built = list((fresh_vnni / "kernels").iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"  # no sources or temporaries left behind
-    ck.int4_vnni_library.cache_clear()
+        assert ck.int4_library() is not None
+    assert "built our int4 kernels" in caplog.text
+    first = built(fresh_int4)
+    assert len(first) == 1 and first[0].suffix == ".so"  # no sources or temporaries left behind
+    ck.int4_library.cache_clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        assert ck.int4_vnni_library() is not None  # a new process: loaded from the cache, not built
-    assert "built" not in caplog.text and list((fresh_vnni / "kernels").iterdir()) == built
+        assert ck.int4_library() is not None  # as a new process would: loaded from the cache, not built
+    assert "built" not in caplog.text and built(fresh_int4) == first
 
 
-@needs_vnni
-def test_int4_vnni_self_test_turns_down_a_wrong_build(monkeypatch, fresh_vnni, caplog):
-    wrong = ck.INT4_VNNI_C.replace("q << 4", "q << 5")  # the self-test's own packing corrupted
-    assert wrong != ck.INT4_VNNI_C
-    monkeypatch.setattr(ck, "INT4_VNNI_C", wrong)
-    assert ck.int4_vnni_library() is None
+@pytest.mark.skipif(not OURS, reason=NO_OURS)
+def test_int4_int8_self_test_turns_down_a_wrong_build(monkeypatch, fresh_int4, caplog):
+    wrong = ck.INT4_C.replace("q << 4", "q << 5")  # the self-test's own packing corrupted
+    assert wrong != ck.INT4_C
+    monkeypatch.setattr(ck, "INT4_C", wrong)
+    assert ck.int4_library() is None
     assert "self-test failed" in caplog.text
-    assert not list((fresh_vnni / "kernels").glob("*.so"))  # not kept: the next start tries again
+    assert not [f for f in built(fresh_int4) if f.suffix == ".so"]  # not kept: the next start tries again
 
 
-@needs_vnni
-def test_prepared_model_runs_int4_vnni(monkeypatch):
-    fake = {"int4/vnni": [0.1, 0.1, 0.1]}
+@pytest.mark.skipif(not OURS, reason=NO_OURS)
+def test_prepared_model_runs_our_int4_kernel(monkeypatch):
+    fake = {f"int4/{OURS[-1]}": [0.1, 0.1, 0.1]}
     monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [5.0] * 3) for n in mods})
     ref = tiny(dtype=torch.bfloat16)
     m = tiny(dtype=torch.bfloat16)
     report = prepare_linears(m, "int4")
-    assert report.choices["128x64"] == "int4/vnni"
-    assert kinds(m.model.layers[0].mlp.gate_proj) == {ck.Int4VNNILinear}
+    assert report.choices["128x64"] == f"int4/{OURS[-1]}"
+    layer = m.model.layers[0].mlp.gate_proj
+    assert kinds(layer) == {ck.Int4Int8Linear} and layer.isa == OURS[-1]
     assert rel(logits(m, IDS), logits(ref, IDS)) <= 0.15  # int4 weights: close, not equal
 
 
@@ -402,13 +428,13 @@ def test_candidates_per_format():
     assert len(kernel_candidates(lin, pack=False)) == 1
     onednn = ["int8/onednn"] if ck.onednn_int8_supported() else []  # int8 x int8 where VNNI or AMX
     assert list(kernel_candidates(lin, "int8")) == ["int8", "int8/bf16", *onednn]  # float32: bf16 compute too
-    vnni = ["int4/vnni"] if VNNI else []  # our int4 x int8 kernel where the CPU has AVX-512 VNNI
-    assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4", *vnni]
-    assert list(kernel_candidates(nn.Linear(64, 48), "int4")) == ["int4", "int4/bf16", *vnni]
+    ours = [f"int4/{isa}" for isa in OURS]  # our int4 x int8 kernels, where the CPU has VNNI or AVX2
+    assert list(kernel_candidates(lin.bfloat16(), "int4")) == ["int4", *ours]
+    assert list(kernel_candidates(nn.Linear(64, 48), "int4")) == ["int4", "int4/bf16", *ours]
     assert list(kernel_candidates(lin.bfloat16(), "int4", group_size=64)) == ["int4"]  # groups of 64: not VNNI's
     assert list(kernel_candidates(nn.Linear(64, 40), "int4")) == ["int8", "int8/bf16", *onednn]  # refused: int8
     # the LM head, int8: the int4 shortlist too, where the int4 kernel takes the shape
-    shortlists = ["int4+int8", *(["int4/vnni+int8"] if VNNI else [])]
+    shortlists = ["int4+int8", *(f"{name}+int8" for name in ours)]
     assert list(kernel_candidates(nn.Linear(64, 48), "int8", head=True)) == ["int8", "int8/bf16", *onednn, *shortlists]
     assert "int4+int8" not in kernel_candidates(nn.Linear(64, 40), "int8", head=True)
     assert "int4+int8" not in kernel_candidates(nn.Linear(64, 48), head=True)  # a float head: float kernels
@@ -507,7 +533,7 @@ def test_quantized_model_close_to_float(quantization, limit, tied, caplog):
     assert rel(got, ref) <= limit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     int8 = {Int8Linear, ck.Int8OneDNNLinear}
-    layers = {Int4Linear, ck.Int4VNNILinear} if quantization == "int4" else int8
+    layers = {Int4Linear, ck.Int4Int8Linear} if quantization == "int4" else int8
     assert kinds(m.model.layers[0].mlp.down_proj) <= layers and kinds(m.model.layers[1].self_attn.k_proj) <= layers
     # an int8 head, tied or not; the embedding keeps the float table, and `weight` still answers the dtype
     assert kinds(m.lm_head) <= int8 and m.lm_head.weight.dtype == torch.float32
