@@ -388,27 +388,16 @@ AVX512 INLINE void rows_vnni(const uint8_t* w, const uint16_t* sm, const int8_t*
   }
 }
 
-AVX512 static void block_vnni(const uint8_t* wp, const uint16_t* sp, const int8_t* xq, const float* d,
-                              const float* s, const float* bias, int M, int K, int N, int nb, int bf16,
-                              void* y) {
-  int G = K / 32;
-  for (int r0 = 0; r0 < M; r0 += 4) {
-    __m512 acc[4] = {0};
-    float out[16];
-    int R = M - r0 < 4 ? M - r0 : 4;
-    const int8_t* x = xq + (long)r0 * K;
-    switch (R) {
-      case 1: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 1, K, acc); break;
-      case 2: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 2, K, acc); break;
-      case 3: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 3, K, acc); break;
-      default: rows_vnni(wp, sp, x, d + r0 * G, s + r0 * G, 4, K, acc);
-    }
-    for (int r = 0; r < R; r++) {
-      _mm512_storeu_ps(out, acc[r]);
-      for (int j = 0; j < 16; j++)
-        put(y, bf16, (long)(r0 + r) * N + nb * 16 + j, out[j] + (bias ? bias[nb * 16 + j] : 0.f));
-    }
+AVX512 static void tile_vnni(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
+                             const float* s, int R, int K, float* out) {  // out: R x 16 floats
+  __m512 acc[4] = {0};
+  switch (R) {  // R a constant in each call: the row loops unroll
+    case 1: rows_vnni(w, sm, xq, d, s, 1, K, acc); break;
+    case 2: rows_vnni(w, sm, xq, d, s, 2, K, acc); break;
+    case 3: rows_vnni(w, sm, xq, d, s, 3, K, acc); break;
+    default: rows_vnni(w, sm, xq, d, s, 4, K, acc);
   }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 // ---- AVX2: the same layout, 8 channels a vector. vpmaddubsw multiplies 32 unsigned levels by 32 int8
@@ -450,27 +439,32 @@ AVX2 INLINE void rows_avx2(const uint8_t* w, const uint16_t* sm, const int8_t* x
   }
 }
 
-AVX2 static void block_avx2(const uint8_t* wp, const uint16_t* sp, const int8_t* xq, const float* d,
-                            const float* s, const float* bias, int M, int K, int N, int nb, int bf16,
-                            void* y) {
+AVX2 static void tile_avx2(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
+                           const float* s, int R, int K, float* out) {  // out: R x 16 floats
+  __m256 acc[8] = {0};
+  switch (R) {
+    case 1: rows_avx2(w, sm, xq, d, s, 1, K, acc); break;
+    case 2: rows_avx2(w, sm, xq, d, s, 2, K, acc); break;
+    case 3: rows_avx2(w, sm, xq, d, s, 3, K, acc); break;
+    default: rows_avx2(w, sm, xq, d, s, 4, K, acc);
+  }
+  for (int i = 0; i < 2 * R; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+typedef void (*tile_fn)(const uint8_t*, const uint16_t*, const int8_t*, const float*, const float*, int, int,
+                        float*);
+
+// All M rows against the block of 16 channels at `nb`, four rows at a time, into y (plus the bias).
+static void block(tile_fn tile, const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
+                  const float* s, const float* bias, int M, int K, int N, int nb, int bf16, void* y) {
   int G = K / 32;
   for (int r0 = 0; r0 < M; r0 += 4) {
-    __m256 acc[8] = {0};
-    float out[16];
+    float out[64];
     int R = M - r0 < 4 ? M - r0 : 4;
-    const int8_t* x = xq + (long)r0 * K;
-    switch (R) {
-      case 1: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 1, K, acc); break;
-      case 2: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 2, K, acc); break;
-      case 3: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 3, K, acc); break;
-      default: rows_avx2(wp, sp, x, d + r0 * G, s + r0 * G, 4, K, acc);
-    }
-    for (int r = 0; r < R; r++) {
-      _mm256_storeu_ps(out, acc[2 * r]);
-      _mm256_storeu_ps(out + 8, acc[2 * r + 1]);
+    tile(w, sm, xq + (long)r0 * K, d + r0 * G, s + r0 * G, R, K, out);
+    for (int r = 0; r < R; r++)
       for (int j = 0; j < 16; j++)
-        put(y, bf16, (long)(r0 + r) * N + nb * 16 + j, out[j] + (bias ? bias[nb * 16 + j] : 0.f));
-    }
+        put(y, bf16, (long)(r0 + r) * N + nb * 16 + j, out[16 * r + j] + (bias ? bias[nb * 16 + j] : 0.f));
   }
 }
 
@@ -490,8 +484,7 @@ int int4_linear(int isa, const void* x, int bf16, int M, int K, const uint8_t* w
   for (int nb = 0; nb < NB; nb++) {
     const uint8_t* wp = w + (long)nb * (K / 8) * 64;
     const uint16_t* sp = sm + (long)nb * G * 32;
-    if (isa == 0) block_vnni(wp, sp, xq, d, s, bias, M, K, N, nb, bf16, y);
-    else block_avx2(wp, sp, xq, d, s, bias, M, K, N, nb, bf16, y);
+    block(isa == 0 ? tile_vnni : tile_avx2, wp, sp, xq, d, s, bias, M, K, N, nb, bf16, y);
   }
   free(xq);
   free(d);
