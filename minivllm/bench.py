@@ -312,7 +312,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
     import torch.nn as nn
     from minivllm.engine import ModelRunner, Sampler
     from minivllm.paged_cache import PagedBatch
-    from minivllm.cpu_kernels import Int4Linear, Int4VNNILinear, Int8Linear, Int8OneDNNLinear
+    from minivllm.cpu_kernels import Int4Linear, Int4Int8Linear, Int8Linear, Int8OneDNNLinear
     from minivllm.qwen2 import PackedLinear
 
     def linear(m):
@@ -326,7 +326,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
         (PackedLinear, "forward", linear),
         (Int8Linear, "forward", linear),
         (Int4Linear, "forward", linear),
-        (Int4VNNILinear, "forward", linear),
+        (Int4Int8Linear, "forward", linear),
         (Int8OneDNNLinear, "forward", linear),
         (PagedBatch, "attend", "attention"),
         (type(model), "forward", "norms, rotary, activations"),
