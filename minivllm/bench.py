@@ -312,7 +312,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
     import torch.nn as nn
     from minivllm.engine import ModelRunner, Sampler
     from minivllm.paged_cache import PagedBatch
-    from minivllm.cpu_kernels import Int4Linear, Int4Int8Linear, Int8Linear, Int8OneDNNLinear
+    from minivllm.cpu_kernels import F32Linear, Int4Linear, Int4Int8Linear, Int8Linear, Int8OneDNNLinear
     from minivllm.qwen2 import PackedLinear
 
     def linear(m):
@@ -324,6 +324,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
         (PagedBatch, "build", "input preparation"),
         (nn.Linear, "forward", linear),
         (PackedLinear, "forward", linear),
+        (F32Linear, "forward", linear),
         (Int8Linear, "forward", linear),
         (Int4Linear, "forward", linear),
         (Int4Int8Linear, "forward", linear),

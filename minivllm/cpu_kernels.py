@@ -31,14 +31,15 @@ log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'INT4_C', 'INT4_ISAS', 'INT4_CFLAGS', 'SHORTLIST', 'Kernel',
-           'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight',
-           'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows',
-           'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
-           'int4_supported', 'Int4Linear', 'int4_isas', 'int4_library', 'int4_int8_supported', 'Int4Int8Linear',
-           'ShortlistHead', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of', 'plan_name',
-           'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets',
-           'kernels_of', 'KernelReport', 'prepare_linears']
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST', 'F32_C',
+           'F32_ISAS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16',
+           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
+           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here', 'int4_isas', 'build_library', 'int4_library',
+           'int4_int8_supported', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported', 'F32Linear',
+           'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows',
+           'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets', 'kernels_of', 'KernelReport',
+           'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpu_flags() -> set[str]:
@@ -537,30 +538,34 @@ INT4_ISAS = {
     "vnni": (0, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
     "avx2": (1, frozenset({"avx2", "fma"})),
 }
-INT4_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # each kernel names its instructions itself
-_SELFTEST = (
+C_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # each kernel names its instructions itself
+_SELFTEST = (  # argv: the library, then `function:isa` for each self-test to run
     "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
-    "sys.exit(max(lib.int4_selftest(int(i)) for i in sys.argv[2:]))"
+    "sys.exit(max(getattr(lib, f)(int(i)) for f, i in (a.split(':') for a in sys.argv[2:])))"
 )
+
+
+def isas_here(table: dict[str, tuple[int, frozenset]]) -> list[str]:
+    "The kernels of `table` (name -> (index, CPU flags)) whose instructions this CPU lists, best first."
+    return [name for name, (_, flags) in table.items() if flags <= cpu_flags()]
 
 
 def int4_isas() -> list[str]:
     "Our int4 kernels whose instructions this CPU lists, best first."
-    return [name for name, (_, flags) in INT4_ISAS.items() if flags <= cpu_flags()]
+    return isas_here(INT4_ISAS)
 
 
-def _compile_int4(cc: str, path: Path, isas: list[str]) -> str | None:
-    "Build `INT4_C` into `path` if it compiles and `isas`' self-tests pass in a child; else why not."
+def _compile(source: str, cc: str, path: Path, tests: list[str]) -> str | None:
+    "Build `source` into `path` if it compiles and its self-tests (`fn:isa`) pass in a child; else why not"
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
-        src.write_text(INT4_C)
-        built = subprocess.run([cc, *INT4_CFLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        src, lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
+        src.write_text(source)
+        built = subprocess.run([cc, *C_FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
         if built.returncode:
             return f"{cc} failed: {built.stderr.strip()[-300:]}"
-        codes = [str(INT4_ISAS[i][0]) for i in isas]
         tried = subprocess.run(
-            [sys.executable, "-c", _SELFTEST, str(lib), *codes], capture_output=True, timeout=120
+            [sys.executable, "-c", _SELFTEST, str(lib), *tests], capture_output=True, timeout=120
         )
         if tried.returncode:
             return f"its self-test failed (exit status {tried.returncode})"
@@ -568,34 +573,41 @@ def _compile_int4(cc: str, path: Path, isas: list[str]) -> str | None:
     return None
 
 
-@functools.cache
-def int4_library() -> ctypes.CDLL | None:
-    "Our compiled int4 x int8 kernels (built once per machine and source), or None where none can run here."
-    isas = int4_isas()
+def build_library(
+    kind: str, source: str, table: dict[str, tuple[int, frozenset]], args: str
+) -> ctypes.CDLL | None:
+    "`source` built (once per machine and source), self-tested for `table`'s kernels that run here; or None."
+    isas = isas_here(table)
     if not isas:
         return None
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
-        log.info("minivllm: no C compiler (cc): our int4 kernels are not candidates")
+        log.info(f"minivllm: no C compiler (cc): our {kind} kernels are not candidates")
         return None
-    key = hashlib.sha256("\0".join([INT4_C, cc, *INT4_CFLAGS]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"int4_{key}_{'_'.join(isas)}.so"  # tested for these instruction sets
+    key = hashlib.sha256("\0".join([source, cc, *C_FLAGS]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"{kind}_{key}_{'_'.join(isas)}.so"  # tested for these instruction sets
     t0, build = time.perf_counter(), not path.exists()
     try:
-        why = _compile_int4(cc, path, isas) if build else None
+        tests = [f"{kind}_selftest:{table[i][0]}" for i in isas]
+        why = _compile(source, cc, path, tests) if build else None
         lib = None if why else ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:  # a cache we cannot write, a child that hung, ...
         why = f"{type(e).__name__}: {e}"
     if why is not None:
-        log.warning(f"minivllm: our int4 kernels are not candidates: {why}")
+        log.warning(f"minivllm: our {kind} kernels are not candidates: {why}")
         return None
     if build:
         took = time.perf_counter() - t0
-        log.info(f"minivllm: built our int4 kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
-    P, I = ctypes.c_void_p, ctypes.c_int
-    lib.int4_linear.argtypes = [I, P, I, I, I, P, P, P, I, P, I]
-    lib.int4_linear.restype = I
+        log.info(f"minivllm: built our {kind} kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
+    fn = getattr(lib, f"{kind}_linear")  # `args`: its arguments, i an int and p a pointer
+    fn.argtypes, fn.restype = [{"i": ctypes.c_int, "p": ctypes.c_void_p}[a] for a in args], ctypes.c_int
     return lib
+
+
+@functools.cache
+def int4_library() -> ctypes.CDLL | None:
+    "Our compiled int4 x int8 kernels (built once per machine and source), or None where none can run here."
+    return build_library("int4", INT4_C, INT4_ISAS, "ipiiipppipi")
 
 # %% ../nbs/01b_cpu_kernels.ipynb #683670d3
 def int4_int8_supported(out_features: int, in_features: int, group_size: int = 32) -> list[str]:
@@ -689,16 +701,178 @@ class ShortlistHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, shortlist {self.k} to int8"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #a6a1786f
+F32_C = r"""
+#include <immintrin.h>
+
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+// ---- AVX-512: R rows (at most 6) by C blocks of 16 channels (at most 4) in R * C registers.
+// W: [N/16][K][16], bs = K * 16 floats from one block to the next.
+// Per input k: C loads, R broadcasts, R * C multiply-adds.
+AVX512 INLINE void rows_f32_512(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
+                                float* y, int N) {
+  __m512 acc[6][4];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) acc[r][c] = b ? _mm512_loadu_ps(b + c * 16) : _mm512_setzero_ps();
+  for (int k = 0; k < K; k++) {
+    __m512 wv[4];
+    for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_ps(w + c * bs + (long)k * 16);
+    for (int r = 0; r < R; r++) {
+      __m512 xv = _mm512_set1_ps(x[(long)r * K + k]);
+      for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(y + (long)r * N + c * 16, acc[r][c]);
+}
+
+// R a constant in each call: the loops over rows and blocks unroll and the accumulators stay in registers
+#define F32_ROWS(f, C)                              \
+  switch (R) {                                      \
+    case 1: f(w, bs, x, K, 1, C, b, y, N); break;   \
+    case 2: f(w, bs, x, K, 2, C, b, y, N); break;   \
+    case 3: f(w, bs, x, K, 3, C, b, y, N); break;   \
+    case 4: f(w, bs, x, K, 4, C, b, y, N); break;   \
+    case 5: f(w, bs, x, K, 5, C, b, y, N); break;   \
+    default: f(w, bs, x, K, 6, C, b, y, N);         \
+  }
+
+AVX512 static void tile_f32_512(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
+                                float* y, int N) {  // R rows by C blocks, into y (row stride N)
+  if (C == 4) {
+    F32_ROWS(rows_f32_512, 4)
+    return;
+  }
+  for (int c = 0; c < C; c++, w += bs, y += 16, b = b ? b + 16 : 0) F32_ROWS(rows_f32_512, 1)
+}
+
+// ---- AVX2: 8 floats a register, so one block of 16 channels (two registers) by R rows at a time.
+AVX2 INLINE void rows_f32_256(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
+                              float* y, int N) {
+  __m256 acc[6][2];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) acc[r][h] = b ? _mm256_loadu_ps(b + h * 8) : _mm256_setzero_ps();
+  for (int k = 0; k < K; k++) {
+    __m256 w0 = _mm256_loadu_ps(w + (long)k * 16), w1 = _mm256_loadu_ps(w + (long)k * 16 + 8);
+    for (int r = 0; r < R; r++) {
+      __m256 xv = _mm256_set1_ps(x[(long)r * K + k]);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (long)r * N + h * 8, acc[r][h]);
+}
+
+AVX2 static void tile_f32_256(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
+                              float* y, int N) {
+  for (int c = 0; c < C; c++, w += bs, y += 16, b = b ? b + 16 : 0) F32_ROWS(rows_f32_256, 1)
+}
+
+typedef void (*f32_tile_fn)(const float*, long, const float*, int, int, int, const float*, float*, int);
+
+// y [M, N] = x [M, K] W^T + bias in float32, in the instructions `isa` names (0: AVX-512, 1: AVX2). W: `w`
+// [N/16][K][16]; bias float32 or NULL. A thread takes a panel of 4 blocks (64 channels) and runs every 6 rows
+// through it while it sits in the core's cache.
+int f32_linear(int isa, const float* x, int M, int K, const float* w, const float* bias, int N, float* y,
+               int threads) {
+  int NB = N / 16, P = (NB + 3) / 4;
+  long bs = (long)K * 16;
+  f32_tile_fn tile = isa == 0 ? tile_f32_512 : tile_f32_256;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int p = 0; p < P; p++) {
+    int C = NB - p * 4 < 4 ? NB - p * 4 : 4;
+    for (int r0 = 0; r0 < M; r0 += 6)
+      tile(w + p * 4 * bs, bs, x + (long)r0 * K, K, M - r0 < 6 ? M - r0 : 6, C, bias ? bias + p * 64 : 0,
+           y + (long)r0 * N + p * 64, N);
+  }
+  return 0;
+}
+
+// 0 where `isa`'s kernel gives the exact sums of a small product: 8 rows (a tile and a part), 5 blocks
+// (a panel and a lone block), numbers in 1/32 steps so that every partial sum is exact in float32.
+int f32_selftest(int isa) {
+  enum { M = 8, K = 24, N = 80 };
+  static float w[N * K], x[M * K], y[M * N], bias[N];
+  for (int n = 0; n < N; n++) {
+    bias[n] = (n % 7) / 4.f;
+    for (int k = 0; k < K; k++) w[((n / 16) * K + k) * 16 + n % 16] = ((n * 5 + k * 3) % 11 - 5) / 8.f;
+  }
+  for (int i = 0; i < M * K; i++) x[i] = ((i * 7) % 13 - 6) / 4.f;
+  f32_linear(isa, x, M, K, w, bias, N, y, 2);
+  for (int r = 0; r < M; r++)
+    for (int n = 0; n < N; n++) {
+      double want = bias[n];
+      for (int k = 0; k < K; k++) want += ((n * 5 + k * 3) % 11 - 5) / 8. * x[r * K + k];
+      if (y[r * N + n] != (float)want) return 1;
+    }
+  return 0;
+}
+"""
+# our float32 kernels: the index `f32_linear` takes for each, and the CPU flags it needs
+F32_ISAS = {"avx512": (0, frozenset({"avx512f"})), "avx2": (1, frozenset({"avx2", "fma"}))}
+
+
+@functools.cache
+def f32_library() -> ctypes.CDLL | None:
+    "Our compiled float32 kernels (built once per machine and source), or None where none can run here."
+    return build_library("f32", F32_C, F32_ISAS, "ipiippipi")
+
+
+def f32_supported(out_features: int) -> list[str]:
+    "Our float32 kernels that run here and take `out_features` outputs (a multiple of 16), best first."
+    return isas_here(F32_ISAS) if out_features % 16 == 0 and f32_library() is not None else []
+
+
+class F32Linear(nn.Module):
+    "A float32 linear layer in our kernel `isa` (`F32_C`): weights as [N/16, K, 16], 16 channels a line."
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str = "avx512"):
+        super().__init__()
+        n, k = weight.shape
+        if n % 16:
+            raise ValueError(f"f32/{isa} needs out % 16 == 0, not {n}x{k}")
+        if isa not in F32_ISAS:
+            raise ValueError(f"no float32 kernel {isa!r}: {list(F32_ISAS)}")
+        self.out_features, self.in_features, self.isa = n, k, isa
+        blocks = weight.detach().float().view(n // 16, 16, k).transpose(1, 2)  # [N/16, K, 16]
+        self.weight_blocks = nn.Parameter(blocks.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, isa: str = "avx512") -> F32Linear:
+        return cls(lin.weight, lin.bias, isa)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # [T, in]
+        y = torch.empty(rows.shape[0], self.out_features)  # [T, out]
+        if rows.shape[0]:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            f32_library().f32_linear(
+                F32_ISAS[self.isa][0], rows.data_ptr(), rows.shape[0], self.in_features,
+                self.weight_blocks.data_ptr(), bias, self.out_features, y.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # [..., out]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.isa}"
+
+# %% ../nbs/01b_cpu_kernels.ipynb #d4c1e4e8
 Kernel = Callable[[nn.Linear], nn.Module]
 
 
-def _float_kernels(dtype: torch.dtype, pack: bool | None) -> dict[str, Kernel]:
-    "`F.linear` and oneDNN, as `pack` allows (True: oneDNN only, False: `F.linear` only)."
+def _float_kernels(lin: nn.Linear, pack: bool | None) -> dict[str, Kernel]:
+    "`F.linear`, oneDNN and (float32) ours, as `pack` allows (True: oneDNN only, False: `F.linear` only)."
     ks: dict[str, Kernel] = {}
+    dtype = lin.weight.dtype
     if pack is not True:
         ks["mkl" if torch.backends.mkl.is_available() else "blas"] = lambda lin: lin
     if pack is not False and packing_supported(dtype):
         ks["onednn"] = PackedLinear.from_linear
+    for isa in f32_supported(lin.out_features) if pack is None and dtype == torch.float32 else ():
+        ks[f"f32/{isa}"] = functools.partial(F32Linear.from_linear, isa=isa)
     if not ks:
         name = str(dtype).removeprefix("torch.")
         raise ValueError(f"oneDNN cannot pack {name} weights here; use pack=False")
@@ -715,7 +889,7 @@ def kernel_candidates(
     "The kernels this CPU has for `lin` (the LM head if `head`) with `quantization` (None, int8 or int4)."
     dtype = lin.weight.dtype
     if quantization is None:
-        return _float_kernels(dtype, pack)
+        return _float_kernels(lin, pack)
     if quantization == "int4" and not int4_supported(lin.out_features, lin.in_features, group_size):
         quantization = "int8"  # a shape the int4 kernel refuses: one step finer
     computes = {quantization: dtype}
