@@ -31,10 +31,10 @@ log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST', 'F32_C',
-           'F32_ISAS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags', 'cpu_has_bf16',
-           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
-           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'C_COMMON', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST',
+           'F32_C', 'F32_ISAS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags',
+           'cpu_has_bf16', 'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
+           'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
            'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here', 'int4_isas', 'build_library', 'int4_library',
            'int4_int8_supported', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported', 'F32Linear',
            'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows',
@@ -304,18 +304,15 @@ def extra_repr(self: Int4Linear) -> str:
     return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #c17b5029
-INT4_C = r"""
-#include <immintrin.h>
+C_COMMON = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define AVX2 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
-static float value(const void* x, int bf16, long i) {  // element i of a float32 or bfloat16 array
+INLINE float value(const void* x, int bf16, long i) {  // element i of a float32 or bfloat16 array
   if (!bf16) return ((const float*)x)[i];
   uint32_t u = (uint32_t)((const uint16_t*)x)[i] << 16;
   float f;
@@ -323,12 +320,21 @@ static float value(const void* x, int bf16, long i) {  // element i of a float32
   return f;
 }
 
-static void put(void* y, int bf16, long i, float f) {  // element i of a float32 or bfloat16 array
+INLINE void put(void* y, int bf16, long i, float f) {  // element i of a float32 or bfloat16 array
   if (!bf16) { ((float*)y)[i] = f; return; }
   uint32_t u;
   memcpy(&u, &f, 4);
   ((uint16_t*)y)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  // to nearest, ties to even
 }
+"""  # what every C source of ours starts with
+
+INT4_C = (
+    C_COMMON
+    + r"""
+#include <immintrin.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AVX2 __attribute__((target("avx2,fma")))
 
 // Every 32 activations of a row to int8 levels with their own step d (the group's largest |x| / 127);
 // s = d * the sum of the group's levels, which the weights' offsets multiply.
@@ -533,6 +539,7 @@ int int4_selftest(int isa) {
   return 0;
 }
 """
+)
 # our kernels: the index `int4_linear` takes for each, and the CPU flags it needs (named as in /proc/cpuinfo)
 INT4_ISAS = {
     "vnni": (0, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
@@ -574,7 +581,7 @@ def _compile(source: str, cc: str, path: Path, tests: list[str]) -> str | None:
 
 
 def build_library(
-    kind: str, source: str, table: dict[str, tuple[int, frozenset]], args: str
+    kind: str, source: str, table: dict[str, tuple[int, frozenset]], args: str, entry: str | None = None
 ) -> ctypes.CDLL | None:
     "`source` built (once per machine and source), self-tested for `table`'s kernels that run here; or None."
     isas = isas_here(table)
@@ -599,7 +606,9 @@ def build_library(
     if build:
         took = time.perf_counter() - t0
         log.info(f"minivllm: built our {kind} kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
-    fn = getattr(lib, f"{kind}_linear")  # `args`: its arguments, i an int and p a pointer
+    fn = getattr(
+        lib, entry or f"{kind}_linear"
+    )  # the entry point; `args`: its arguments, i an int, p a pointer
     fn.argtypes, fn.restype = [{"i": ctypes.c_int, "p": ctypes.c_void_p}[a] for a in args], ctypes.c_int
     return lib
 

@@ -17,6 +17,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from minivllm.paged_cache import (DEFAULT_CPU_KV_BYTES, BlockAllocator, BlockManager, BlockTable, KVCache,
                                   OutOfBlocks, PagedBatch, check_block_invariants, kv_bytes_per_token,
                                   num_kv_blocks_for, paged_decode_attention, padded_decode_attention)
+import minivllm.paged_cache as pc
 from minivllm.qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
 
 LOGIT_TOL = 1e-4        # float32, tiny models: ours (paged) vs no cache / vs transformers
@@ -423,6 +424,81 @@ def test_paged_decode_attention_matches_padded_and_naive(lens, block_size, hkv, 
     assert (ours.double() - ref).abs().max() <= ATTN_TOL
     assert (ref_pad.double() - ref).abs().max() <= ATTN_TOL
     assert (ours - ref_pad).abs().max() <= ATTN_TOL
+    if pc.attn_library() is not None:  # our C kernel: the same attention, float32 sums in another order
+        in_c = pc.paged_decode_attention_c(q, k_pool, v_pool, ids, rows, valid)
+        assert in_c.shape == q.shape and in_c.dtype == torch.float32
+        assert (in_c.double() - ref).abs().max() <= ATTN_TOL
+
+
+HAS_C = pytest.mark.skipif(pc.attn_library() is None, reason="no C compiler here: no C decode attention")
+
+
+def scattered_decode(lens, bs, hkv, hq, d, seed=0):
+    "Random pools, queries and scattered blocks for sequences of `lens` tokens: the decode kernels' arguments."
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-L // bs) for L in lens]
+    nb = sum(nblk) + 1
+    kp, vp = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    ids = torch.tensor(perm[:sum(nblk)])
+    rows = torch.tensor([i for i, n in enumerate(nblk) for _ in range(n)])
+    used = torch.tensor([x for L, n in zip(lens, nblk) for x in [bs] * (n - 1) + [L - (n - 1) * bs]])
+    valid = torch.arange(bs)[None, :] < used[:, None]
+    return torch.randn(len(lens), hq, d, generator=g), kp, vp, ids, rows, valid
+
+
+@HAS_C
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 14, 64), (1, 7, 128), (4, 4, 8), (2, 32, 64)])  # Hkv, Hq, D
+def test_c_decode_attention_in_both_dtypes(dtype, shape):
+    hkv, hq, d = shape
+    q, kp, vp, ids, rows, valid = scattered_decode([1, 17, 300, 64, 5], 16, hkv, hq, d, seed=hq)
+    args = (q.to(dtype), kp.to(dtype), vp.to(dtype), ids, rows, valid)
+    exact = paged_decode_attention(*(a.double() for a in args[:3]), ids, rows, valid)
+    got = pc.paged_decode_attention_c(*args)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch_err = (paged_decode_attention(*args).double() - exact).abs().max()
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch_err  # bfloat16: rounded once at the end, sums in float32
+    assert (got.double() - exact).abs().max() <= tol
+
+
+@HAS_C
+def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
+    cfg = tiny_cfg()
+    kv = KVCache(cfg, num_blocks=16, block_size=4, dtype=torch.float32, device=CPU)
+    kv.k.normal_()
+    kv.v.normal_()
+    d1, d2 = BlockTable(4, [5, 2, 9], 9), BlockTable(4, [3], 3)
+    meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU)
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, k, v = torch.randn(2, H, D), torch.randn(2, Hkv, D), torch.randn(2, Hkv, D)
+    calls = []
+    c_kernel = pc.paged_decode_attention_c
+    monkeypatch.setattr(pc, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
+    got = meta.attend(0, q, k, v)
+    assert calls == [1]
+    monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: the PyTorch path
+    assert not pc.c_decode_supported(q, kv.k[0])
+    assert (meta.attend(0, q, k, v) - got).abs().max() <= ATTN_TOL and calls == [1]
+    assert not pc.c_decode_supported(q.half(), kv.k[0].half())  # float16: PyTorch's
+
+
+@HAS_C
+def test_c_decode_self_test_turns_down_a_wrong_build(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    pc.attn_library.cache_clear()
+    try:
+        wrong = pc.ATTN_C.replace("kp[at + d] / 4.0;", "kp[at + d] / 3.0;")  # the self-test's reference scale
+        assert wrong != pc.ATTN_C
+        monkeypatch.setattr(pc, "ATTN_C", wrong)
+        assert pc.attn_library() is None and "self-test failed" in caplog.text
+        assert not list(tmp_path.rglob("*.so"))
+        monkeypatch.undo()
+        monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+        pc.attn_library.cache_clear()
+        assert pc.attn_library() is not None and len(list(tmp_path.rglob("attn_*.so"))) == 1
+    finally:
+        pc.attn_library.cache_clear()
 
 
 def test_paged_batch_build_decode_metadata():
