@@ -477,10 +477,10 @@ def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
     monkeypatch.setattr(pc, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
     got = meta.attend(0, q, k, v)
     assert calls == [1]
+    assert pc.c_decode_supported(q, kv.k[0]) and not pc.c_decode_supported(q.half(), kv.k[0].half())  # float16: PyTorch's
     monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: the PyTorch path
     assert not pc.c_decode_supported(q, kv.k[0])
     assert (meta.attend(0, q, k, v) - got).abs().max() <= ATTN_TOL and calls == [1]
-    assert not pc.c_decode_supported(q.half(), kv.k[0].half())  # float16: PyTorch's
 
 
 @HAS_C
