@@ -312,15 +312,24 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
     import torch.nn as nn
     from minivllm.engine import ModelRunner, Sampler
     from minivllm.paged_cache import PagedBatch
-    from minivllm.cpu_kernels import F32Linear, Int4Linear, Int4Int8Linear, Int8Linear, Int8OneDNNLinear
+    from minivllm.cpu_kernels import (
+        F32Linear,
+        GreedyHead,
+        Int4Linear,
+        Int4Int8Linear,
+        Int8Linear,
+        Int8OneDNNLinear,
+    )
     from minivllm.qwen2 import PackedLinear
 
     def linear(m):
-        return "matmul (LM head)" if m is model.lm_head else "matmuls (layers)"
+        head = m is model.lm_head or m is getattr(model.lm_head, "inner", None)  # a `GreedyHead`'s logits
+        return "matmul (LM head)" if head else "matmuls (layers)"
 
     targets = [
         (LLMEngine, "step", "Python: scheduling, bookkeeping"),
         (ModelRunner, "run", "input preparation"),
+        (ModelRunner, "run_argmax", "input preparation"),
         (PagedBatch, "build", "input preparation"),
         (nn.Linear, "forward", linear),
         (PackedLinear, "forward", linear),
@@ -332,6 +341,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
         (PagedBatch, "attend", "attention"),
         (type(model), "forward", "norms, rotary, activations"),
         (type(model), "compute_logits", "matmul (LM head)"),
+        (GreedyHead, "argmax", "matmul (LM head)"),
         (Sampler, "__call__", "sampling"),
     ]
     return [(o, a, s) for o, a, s in targets if hasattr(o, a)]

@@ -32,13 +32,14 @@ QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'C_COMMON', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST',
-           'F32_C', 'F32_ISAS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'cpu_flags',
-           'cpu_has_bf16', 'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear',
-           'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here', 'int4_isas', 'build_library', 'int4_library',
-           'int4_int8_supported', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported', 'F32Linear',
-           'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows',
-           'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets', 'kernels_of', 'KernelReport',
+           'F32_C', 'F32_ISAS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'HEAD_C',
+           'GREEDY_SHORTLIST', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight', 'quantized_once', 'quantize_int8',
+           'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear',
+           'int4_group_size', 'quantize_int4', 'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here',
+           'int4_isas', 'build_library', 'int4_library', 'int4_int8_supported', 'Int4Int8Linear', 'ShortlistHead',
+           'f32_library', 'f32_supported', 'F32Linear', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of',
+           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
+           'RowBuckets', 'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head', 'KernelReport',
            'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
@@ -1069,10 +1070,204 @@ class RowBuckets(nn.Module):
 
 
 def kernels_of(layer: nn.Module) -> list[nn.Module]:
-    "The kernel modules a prepared layer runs: itself, or those its `RowBuckets` and `ByRows` hold."
-    if type(layer) is RowBuckets:
+    "The kernels a prepared layer runs: itself, or those its `RowBuckets`, `ByRows` or `GreedyHead` hold."
+    if (
+        type(layer) is RowBuckets or type(layer) is GreedyHead
+    ):  # `GreedyHead`: a float32 head's arg-max, below
         return kernels_of(layer.inner)
     return [layer.few, layer.many] if type(layer) is ByRows else [layer]
+
+# %% ../nbs/01b_cpu_kernels.ipynb #b8e168d6
+HEAD_C = (
+    C_COMMON
+    + r"""
+#define REL (1.01f / 256)  // bfloat16's rounding of a float32 sum: at most 2^-8 of the value, with room
+
+// One row of bfloat16 scores: the largest score `hi`, then every column scoring at least
+// hi - 2 * (base + REL * a), `a` the row's largest magnitude, into idx while fewer than k; returns how many
+// (-1: a score is not finite). Blocks of 64 whose largest score is below the line are skipped whole.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static long shortlist_row(const uint16_t* z, long cols, float base, long k, int64_t* idx) {
+  float hi = -INFINITY, lo = INFINITY;
+  int bad = 0;
+#pragma omp simd reduction(max : hi) reduction(min : lo) reduction(| : bad)
+  for (long i = 0; i < cols; i++) {
+    float f = value(z, 1, i);
+    hi = f > hi ? f : hi;
+    lo = f < lo ? f : lo;
+    bad |= (z[i] & 0x7F80) == 0x7F80;  // exponent all ones: an infinity or a NaN
+  }
+  if (bad) return -1;
+  float line = hi - 2.0f * (base + REL * fmaxf(fabsf(hi), fabsf(lo)));
+  long n = 0;
+  for (long s = 0; s < cols; s += 64) {
+    long e = s + 64 < cols ? s + 64 : cols;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (long i = s; i < e; i++) {
+      float f = value(z, 1, i);
+      m = f > m ? f : m;
+    }
+    if (m < line) continue;
+    for (long i = s; i < e; i++)
+      if (value(z, 1, i) >= line) {
+        if (n < k) idx[n] = i;
+        n++;
+      }
+  }
+  return n;
+}
+
+// Every row r of z [rows, cols]: its shortlist in idx[r * k ...], how many in count[r] (see above).
+int head_shortlist(const uint16_t* z, int rows, int cols, const float* base, int k, int64_t* idx,
+                   int64_t* count, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int r = 0; r < rows; r++)
+    count[r] = shortlist_row(z + (long)r * cols, cols, base[r], k, idx + (long)r * k);
+  return 0;
+}
+
+int head_selftest(int isa) {  // 2 + 1/8 leads, 2 is within the line, 1 is not; then a NaN row
+  enum { C = 200, K = 4 };
+  static uint16_t z[2 * C];
+  int64_t idx[2 * K], count[2];
+  float base[2] = {0.25f, 0.25f};
+  (void)isa;
+  for (int i = 0; i < 2 * C; i++) z[i] = 0x3F80;  // 1.0
+  z[70] = 0x4002;   // 2.03125
+  z[150] = 0x4000;  // 2.0: 2.03125 - 2 * (0.25 + REL * 2.03125) is about 1.5
+  z[C + 9] = 0x7FC0;  // a NaN
+  head_shortlist(z, 2, C, base, K, idx, count, 1);
+  return !(count[0] == 2 && idx[0] == 70 && idx[1] == 150 && count[1] == -1);
+}
+"""
+)
+
+
+@functools.cache
+def head_library() -> ctypes.CDLL | None:
+    "Our compiled shortlist of a greedy head (built once per machine and source), or None if it cannot run."
+    return build_library("head", HEAD_C, {"c": (0, frozenset())}, "piipippi", entry="head_shortlist")
+
+
+GREEDY_SHORTLIST = 16  # at most this many tokens per row scored in float32; a row with more: all its logits
+
+
+def _row_reader(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    "Rows of a float32 layer's weight by index ([n] -> [n, in]) from one of its kernels; None if none can."
+    for m in kernels_of(layer):
+        if type(m) is F32Linear and m.bias is None:
+            blocks = m.weight_blocks  # [N/16, in, 16]
+            return lambda cols: blocks[cols // 16, :, cols % 16]
+        if type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32:
+            weight = m.weight.detach()
+            return lambda cols: weight[cols]
+    return None
+
+
+class GreedyHead(nn.Module):
+    "A float32 LM head with an exact arg-max: a bfloat16 pass and its bound shortlist, float32 picks."
+
+    def __init__(self, inner: nn.Module, k: int = GREEDY_SHORTLIST, from_rows: int = 1, chunk: int = 8192):
+        super().__init__()
+        rows = _row_reader(inner)
+        if rows is None:
+            raise ValueError(
+                f"GreedyHead needs a float32 head without a bias in F.linear or f32/*, not {inner!r}"
+            )
+        self.inner, self.k, self.from_rows, self.rows = inner, k, from_rows, rows
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+        w16, self.dw, self.nw = (
+            [],
+            0.0,
+            0.0,
+        )  # the bfloat16 copy; max |w - bf16(w)| and max |bf16(w)| over rows
+        for s in range(0, self.out_features, chunk):
+            w = rows(torch.arange(s, min(s + chunk, self.out_features)))  # [chunk, in] float32
+            w16.append(w.bfloat16())
+            wf = w16[-1].float()
+            self.dw = max(self.dw, float((w - wf).norm(dim=1).max()))
+            self.nw = max(self.nw, float(wf.norm(dim=1).max()))
+        object.__setattr__(self, "weight16", torch.cat(w16))  # [V, in]: a second layout, not a parameter
+        u = self.in_features * 2.0**-24
+        self.gamma = u / (
+            1 - u
+        )  # a float32 sum of `in_features` products: off by at most this share of sum |w x|
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # all the logits, as before
+
+    def bound(self, x: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        "Per row [T]: how far a bfloat16 score (before its own rounding) can be from the exact w . x."
+        xf = xb.float()
+        return 1.001 * (
+            self.dw * x.norm(dim=1) + self.nw * (x - xf).norm(dim=1) + self.gamma * self.nw * xf.norm(dim=1)
+        )
+
+    def argmax(self, x: torch.Tensor) -> list[int | None]:
+        "x [T, in] -> each row's arg-max token of its float32 logits, None where they are not finite."
+        x = x.reshape(-1, self.in_features).float()
+        T = x.shape[0]
+        count = torch.full((T,), -1, dtype=torch.int64)
+        if T >= self.from_rows:
+            xb = x.bfloat16()
+            z = F.linear(xb, self.weight16)  # [T, V] bfloat16, summed in float32
+            base = self.bound(x, xb).contiguous()
+            idx = torch.empty(T, self.k, dtype=torch.int64)
+            head_library().head_shortlist(
+                z.data_ptr(), T, self.out_features, base.data_ptr(), self.k, idx.data_ptr(), count.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+        tokens: list[int | None] = [None] * T
+        ok = ((count > 0) & (count <= self.k)).nonzero().flatten()  # [P] rows decided by their shortlist
+        if ok.numel():
+            n = count[ok]
+            take = torch.arange(self.k) < n[:, None]  # [P, k] the real entries
+            rows = ok[:, None].expand(-1, self.k)[take]  # [Q] each entry's row
+            cols = idx[ok][take]  # [Q] each entry's token
+            s = (self.rows(cols) * x[rows]).sum(-1)  # [Q] float32 logits of the shortlists
+            best = torch.full((T,), float("-inf")).scatter_reduce(0, rows, s, "amax")
+            tok = torch.full((T,), self.out_features).scatter_reduce(
+                0, rows, torch.where(s == best[rows], cols, self.out_features), "amin"
+            )  # the first token of the best score, as `max` picks
+            for r, t in zip(ok.tolist(), tok[ok].tolist()):
+                tokens[r] = t
+        rest = ((count <= 0) | (count > self.k)).nonzero().flatten()
+        if rest.numel():  # all the logits
+            best, tok = self.inner(x[rest]).float().max(-1)
+            for r, b, t in zip(rest.tolist(), torch.isfinite(best).tolist(), tok.tolist()):
+                tokens[r] = t if b else None
+        return tokens
+
+    def extra_repr(self) -> str:
+        return f"shortlist {self.k} from a bfloat16 pass, from {self.from_rows} rows"
+
+
+def use_greedy_head(model: nn.Module, report: KernelReport) -> None:
+    "A float32 head becomes a `GreedyHead` from the smallest timed row count where its arg-max stays ahead."
+    head = getattr(model, "lm_head", None)
+    if head is None or report.dtype != torch.float32 or report.quantization is not None:
+        return
+    if _row_reader(head) is None or head_library() is None:  # not a head we can read rows of; no C compiler
+        return
+    if head.out_features * head.in_features * 2 > TWO_LAYOUTS_SHARE * (available_memory() or 0):
+        return  # no room for the bfloat16 copy
+    t0 = time.perf_counter()
+    greedy = GreedyHead(head)
+    fns = {"logits": lambda x: head(x).float().max(-1), "greedy": greedy.argmax}
+    secs = time_kernels(fns, head.in_features, torch.float32)
+    start = None  # the smallest timed row count from which the arg-max wins at every larger one
+    for rows, full, short in reversed(list(zip(TIME_ROWS, secs["logits"], secs["greedy"]))):
+        if short >= full:
+            break
+        start = rows
+    key = f"{head.out_features}x{head.in_features} greedy"
+    report.timings[key] = secs
+    report.choices[key] = f"bf16 shortlist from {start} rows" if start else "logits"
+    report.seconds_timing += time.perf_counter() - t0
+    if start is not None:
+        greedy.from_rows = start
+        model.lm_head = greedy
 
 # %% ../nbs/01b_cpu_kernels.ipynb #ffe8805e
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -1165,6 +1360,7 @@ def prepare_linears(
                 t0 = time.perf_counter()
             setattr(parent, name, _build(plans[key], mods, lin.weight.dtype))
         report.seconds_building += time.perf_counter() - t0
+    use_greedy_head(model, report)
     head, emb = getattr(model, "lm_head", None), _embedding(model)
     if head is not None and emb is not None and not hasattr(head, "weight"):
         head.weight = emb.weight.detach()  # answers dtype and device; not a parameter (see above)

@@ -411,10 +411,11 @@ class ModelRunner:
     def __init__(self, model: Qwen2ForCausalLM, cache: KVCache, block_manager: BlockManager):
         self.model, self.cache, self.block_manager = model, cache, block_manager
         self.device = model.lm_head.weight.device
+        self.argmax = getattr(model.lm_head, "argmax", None)  # the head's exact greedy path, if any (01b)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        "Forward the batch; float32 logits [S, V], a row per sequence of `batch.sampling`, in that order."
+    def sample_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
+        "Forward the batch; final hidden states [S, hidden], a row per sequence of `batch.sampling`, in turn."
         flat = FlatBatch.of(batch)
         self.cache.copy_blocks(self.block_manager.take_copies())
         items = [(s.block_table, s.num_computed, n) for s, n in batch.items]
@@ -422,9 +423,19 @@ class ModelRunner:
         ids = torch.tensor(flat.input_ids, device=self.device)  # [T]
         pos = torch.tensor(flat.positions, device=self.device)  # [T]
         hidden = self.model(ids, pos, meta)  # [T, hidden]
-        if not flat.sample_rows:
-            return hidden.new_zeros(0, 0)
-        return self.model.compute_logits(hidden[torch.tensor(flat.sample_rows, device=self.device)])  # [S, V]
+        return hidden[torch.tensor(flat.sample_rows, dtype=torch.long, device=self.device)]  # [S, hidden]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        "Forward the batch; float32 logits [S, V], a row per sequence of `batch.sampling`, in that order."
+        hidden = self.sample_hidden(batch)
+        return self.model.compute_logits(hidden) if len(hidden) else hidden.new_zeros(0, 0)
+
+    @torch.inference_mode()
+    def run_argmax(self, batch: ScheduledBatch) -> list[int | None]:
+        "Forward the batch; the arg-max token per sequence of `batch.sampling` (None: logits not finite)."
+        hidden = self.sample_hidden(batch)
+        return self.argmax(hidden) if len(hidden) else []
 
     def shutdown(self) -> None:
         "Release what the runner started: nothing here (07's tensor-parallel runner stops its workers)."
@@ -627,8 +638,11 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     batch = self.scheduler.schedule()  # 1. schedule
     if not batch.items:
         return []
-    logits = self.runner.run(batch)  # 2. run: a row of logits per sequence in batch.sampling
-    sampled, failed = self._sample(batch.sampling, logits)  # 3. sample (forks share their parent's row)
+    if self._greedy_batch(batch.sampling):  # 2-3. the head's exact arg-max, where every row wants only that
+        sampled, failed = self._take(batch.sampling, self.runner.run_argmax(batch))
+    else:
+        logits = self.runner.run(batch)  # 2. run: a row of logits per sequence in batch.sampling
+        sampled, failed = self._sample(batch.sampling, logits)  # 3. sample (forks share their parent's row)
     self.scheduler.update(batch, sampled)  # 4. update: counts, tokens, forks, token stops
     outputs = self._outputs(batch, sampled, failed)  # 5. detokenize, stop strings, what is new
     self.num_steps += 1
@@ -664,6 +678,28 @@ def _sample(
             text.logprobs.append(lp)
             text.cumulative_logprob += lp[token].logprob
     return sampled, failed
+
+
+@patch
+def _greedy_batch(self: LLMEngine, seqs: list[Sequence]) -> bool:
+    "Whether the head's exact arg-max can give every row its token: it has one, and each row wants only that."
+    return getattr(self.runner, "argmax", None) is not None and all(
+        _argmax_only(s)
+        and not s.forks
+        and s.params.logprobs is None
+        and self.seq_texts[s.seq_id].grammar is None
+        for s in seqs
+    )
+
+
+@patch
+def _take(
+    self: LLMEngine, seqs: list[Sequence], tokens: list[int | None]
+) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    "`_sample`'s answer from the head's arg-max tokens (None: the row was not finite)."
+    return [(s, t) for s, t in zip(seqs, tokens) if t is not None], [
+        s for s, t in zip(seqs, tokens) if t is None
+    ]
 
 # %% ../nbs/04_engine.ipynb #007ff4ee
 @patch

@@ -611,9 +611,10 @@ def test_measured_float_kernels_keep_the_logits(dtype):
     m = tiny(dtype=dtype)
     report = prepare_linears(m)
     kernels = (nn.Linear, PackedLinear, ck.F32Linear, ck.ByRows, ck.RowBuckets)
-    assert all(type(x) in kernels for x in m.modules() if hasattr(x, "in_features"))
+    assert all(type(x) in kernels + (ck.GreedyHead,) for x in m.modules() if hasattr(x, "in_features"))
     assert rel(logits(m, IDS), ref) <= {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
-    assert set(report.choices) == {"64x64", "32x64", "128x64", "64x128", "261x64"}
+    greedy = {"261x64 greedy"} if dtype == torch.float32 and ck.head_library() is not None else set()
+    assert set(report.choices) == {"64x64", "32x64", "128x64", "64x128", "261x64"} | greedy
     bucketed = [k for x in m.modules() if type(x) is ck.RowBuckets for k in ck.kernels_of(x)]
     assert all(any(k is x for k in bucketed) for x in m.modules() if type(x) is PackedLinear)  # oneDNN: bucketed
 
@@ -709,3 +710,150 @@ def test_load_model_gguf_quantized(tmp_path):
 def test_report_is_json_friendly():
     r = prepare_linears(tiny(), "int8")
     assert json.loads(json.dumps(r.choices)) == r.choices and r.seconds_building >= 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the greedy head: float32's arg-max from a bfloat16 pass
+
+needs_head = pytest.mark.skipif(ck.head_library() is None, reason="no C compiler for the head's shortlist")
+
+
+def full_argmax(head: nn.Module, x: torch.Tensor) -> list[int | None]:
+    "The arg-max of the full float32 logits, None where the row's largest is not finite."
+    with torch.no_grad():
+        best, idx = head(x).float().max(-1)
+    return [i if ok else None for i, ok in zip(idx.tolist(), torch.isfinite(best).tolist())]
+
+
+@needs_head
+@pytest.mark.parametrize("kernel", ["linear", "f32"])
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([0.01, 1.0, 30.0, 1e3]), k=st.sampled_from([1, 4, 16]))
+@settings(max_examples=15, deadline=None)
+def test_greedy_head_gives_the_logits_argmax(kernel, seed, scale, k):
+    torch.manual_seed(seed)
+    lin = nn.Linear(96, 1040, bias=False)
+    if kernel == "f32":
+        if not ck.f32_supported(1040):
+            pytest.skip("no float32 kernel of ours here")
+        lin = ck.F32Linear.from_linear(lin)
+    head = ck.GreedyHead(lin, k=k)
+    x = torch.randn(37, 96) * scale
+    x[3] = 0.0  # every token ties: the shortlist overflows, the logits answer (the first token)
+    x[4, 7] = float("nan")  # not finite: None
+    x[5, 2] = float("inf")
+    got, want = head.argmax(x), full_argmax(lin, x)
+    assert got[3] == 0 and got[4] is None and got[5] is None
+    assert got == want
+
+
+@needs_head
+def test_greedy_head_takes_the_logits_for_what_its_shortlist_cannot_settle(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 300, bias=False)
+    with torch.no_grad():
+        lin.weight[17] = lin.weight[200]  # tokens 17 and 200 always tie exactly
+    head = ck.GreedyHead(lin, k=1)
+    calls = []
+    forward = lin.forward
+    monkeypatch.setattr(lin, "forward", lambda x: calls.append(len(x)) or forward(x))
+    x = torch.randn(6, 32)
+    got = head.argmax(x)
+    assert got == full_argmax(lin, x)
+    tied = [i for i, t in enumerate(got) if t == 17]  # where the pair wins, the first of the two is the answer
+    assert sum(calls) >= len(tied) and all(t != 200 for t in got)
+    head.from_rows = 7  # fewer rows than that: the logits, for every row
+    calls.clear()
+    assert head.argmax(x) == got and calls == [6]
+
+
+def test_greedy_head_refuses_a_head_it_cannot_read():
+    with pytest.raises(ValueError, match="float32 head without a bias"):
+        ck.GreedyHead(nn.Linear(16, 32))  # a bias
+    with pytest.raises(ValueError, match="float32 head without a bias"):
+        ck.GreedyHead(nn.Linear(16, 32, bias=False).bfloat16())
+
+
+@needs_head
+@pytest.mark.parametrize("wins,start", [([1.0, 1.0, 1.0], None), ([2.0, 0.5, 0.5], 8), ([0.5, 2.0, 0.5], 32)])
+def test_use_greedy_head_follows_the_timing(monkeypatch, wins, start):
+    def timed(mods, *a, **k):  # greedy's seconds: `wins` times the logits' (1 ms)
+        assert set(mods) == {"logits", "greedy"}
+        return {"logits": [1e-3] * 3, "greedy": [w * 1e-3 for w in wins]}
+
+    m = tiny()
+    monkeypatch.setattr(ck, "time_kernels", timed)
+    report = ck.KernelReport(torch.float32, None)
+    ck.use_greedy_head(m, report)
+    assert report.choices["261x64 greedy"] == (f"bf16 shortlist from {start} rows" if start else "logits")
+    assert (type(m.lm_head) is ck.GreedyHead) == (start is not None)
+    if start is not None:
+        assert m.lm_head.from_rows == start and ck.kernels_of(m.lm_head) == [m.lm_head.inner]
+    for q in ("int8", None):  # quantized, or a bfloat16 model: left alone
+        other = tiny(dtype=torch.bfloat16 if q is None else torch.float32)
+        ck.use_greedy_head(other, ck.KernelReport(other.lm_head.weight.dtype, q))
+        assert type(other.lm_head) is nn.Linear
+
+
+def greedy_engine(tiny_folder, monkeypatch=None):
+    "An engine on the tiny model in float32 whose head is a `GreedyHead` (from 1 row)."
+    from minivllm.engine import LLMEngine
+
+    m, tok = load_model(tiny_folder, "float32", "cpu", pack=False)
+    m.lm_head = ck.GreedyHead(m.lm_head)
+    m.lm_head.weight = m.lm_head.inner.weight
+    return LLMEngine(m, tok, num_kv_blocks=256, block_size=4)
+
+
+@needs_head
+def test_the_engine_takes_greedy_steps_through_the_head_and_gives_the_same_tokens(tiny_folder, monkeypatch):
+    from minivllm.engine import LLMEngine, ModelRunner, SamplingParams
+
+    plain_model, tok = load_model(tiny_folder, "float32", "cpu", pack=False)
+    eng, plain = greedy_engine(tiny_folder), LLMEngine(plain_model, tok, num_kv_blocks=256, block_size=4)
+    steps = {"argmax": 0, "logits": 0}
+    for name in ("run_argmax", "run"):
+        f = getattr(ModelRunner, name)
+        key = "argmax" if name == "run_argmax" else "logits"
+        monkeypatch.setattr(ModelRunner, name, lambda self, b, f=f, key=key: steps.__setitem__(key, steps[key] + 1) or f(self, b))
+    prompts = [[1, 2, 3], [5, 9, 11, 4, 4, 8], [7] * 13]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for e in (eng, plain):
+        ids = [e.add_request({"prompt_token_ids": p}, greedy) for p in prompts]
+        done = {}
+        while e.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in e.step() if o.finished}
+        outs[e is eng] = [done[i] for i in ids]
+    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
+    assert steps["argmax"] > 0
+    # a row with logprobs (or sampled) in the step: the whole step takes the logits
+    steps.update(argmax=0, logits=0)
+    eng.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(temperature=0, max_tokens=4, logprobs=2))
+    while eng.has_unfinished_requests():
+        got = [o for o in eng.step() if o.finished]
+    assert steps == {"argmax": 0, "logits": 4} and len(got[0].outputs[0].logprobs) == 4
+
+
+@needs_head
+def test_a_non_finite_greedy_row_fails_only_its_request(tiny_folder, monkeypatch):
+    from minivllm.engine import ModelRunner, SamplingParams
+
+    eng = greedy_engine(tiny_folder)
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    bad, good = (eng.add_request({"prompt_token_ids": ids}, p) for ids in ([1, 2, 3], [4, 5, 6]))
+    hidden = ModelRunner.sample_hidden
+
+    def spoil(self, batch):
+        h = hidden(self, batch).clone()
+        for i, s in enumerate(batch.sampling):
+            if s.request_id == bad and s.num_output_tokens >= 2:
+                h[i] = float("nan")
+        return h
+
+    monkeypatch.setattr(ModelRunner, "sample_hidden", spoil)
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals |= {o.request_id: o for o in eng.step() if o.finished}
+    assert finals[bad].outputs[0].finish_reason == "error" and "not finite" in finals[bad].error
+    assert len(finals[bad].outputs[0].token_ids) == 2
+    assert finals[good].error is None and len(finals[good].outputs[0].token_ids) == 6

@@ -43,14 +43,14 @@ def stats(self):
 engine.LLMEngine.stats = stats
 """
 NAN_LOGITS = MARK + """
-orig_run = engine.ModelRunner.run
-def run(self, batch):
-    logits = orig_run(self, batch).clone()  # [S, V]
+orig_hidden = engine.ModelRunner.sample_hidden  # before the head: the logits, or a greedy head's arg-max
+def sample_hidden(self, batch):
+    hidden = orig_hidden(self, batch).clone()  # [S, hidden]
     for row, seq in enumerate(batch.sampling):
         if marked.get(seq.request_id) == "!!!":
-            logits[row] = float("nan")
-    return logits
-engine.ModelRunner.run = run
+            hidden[row] = float("nan")
+    return hidden
+engine.ModelRunner.sample_hidden = sample_hidden
 """
 
 
