@@ -1153,12 +1153,24 @@ def head_library() -> ctypes.CDLL | None:
 GREEDY_SHORTLIST = 16  # at most this many tokens per row scored in float32; a row with more: all its logits
 
 
-def _row_reader(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    "Rows of a float32 layer's weight by index ([n] -> [n, in]) from one of its kernels; None if none can."
+def _blocks_reader(blocks: torch.Tensor) -> Callable[[torch.Tensor | slice], torch.Tensor]:
+    "Rows of a weight laid out as [N/16, in, 16] (`F32Linear`), by index or by a slice of whole blocks."
+
+    def rows(cols: torch.Tensor | slice) -> torch.Tensor:
+        if isinstance(cols, slice):  # a run of whole blocks: one copy, not a gather
+            if cols.start % 16 or cols.stop % 16:
+                raise ValueError(f"rows {cols.start}:{cols.stop} are not whole blocks of 16")
+            return blocks[cols.start // 16 : cols.stop // 16].transpose(1, 2).reshape(-1, blocks.shape[1])
+        return blocks[cols // 16, :, cols % 16]
+
+    return rows
+
+
+def _row_reader(layer: nn.Module) -> Callable[[torch.Tensor | slice], torch.Tensor] | None:
+    "Rows of a float32 layer's weight ([n] or a slice -> [n, in]) from one of its kernels; None if none can."
     for m in kernels_of(layer):
         if type(m) is F32Linear and m.bias is None:
-            blocks = m.weight_blocks  # [N/16, in, 16]
-            return lambda cols: blocks[cols // 16, :, cols % 16]
+            return _blocks_reader(m.weight_blocks)
         if type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32:
             weight = m.weight.detach()
             return lambda cols: weight[cols]
@@ -1183,7 +1195,7 @@ class GreedyHead(nn.Module):
             0.0,
         )  # the bfloat16 copy; max |w - bf16(w)| and max |bf16(w)| over rows
         for s in range(0, self.out_features, chunk):
-            w = rows(torch.arange(s, min(s + chunk, self.out_features)))  # [chunk, in] float32
+            w = rows(slice(s, min(s + chunk, self.out_features)))  # [chunk, in] float32
             w16.append(w.bfloat16())
             wf = w16[-1].float()
             self.dw = max(self.dw, float((w - wf).norm(dim=1).max()))

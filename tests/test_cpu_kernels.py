@@ -857,3 +857,13 @@ def test_a_non_finite_greedy_row_fails_only_its_request(tiny_folder, monkeypatch
     assert finals[bad].outputs[0].finish_reason == "error" and "not finite" in finals[bad].error
     assert len(finals[bad].outputs[0].token_ids) == 2
     assert finals[good].error is None and len(finals[good].outputs[0].token_ids) == 6
+
+
+def test_blocks_reader_reads_rows_by_index_and_by_slice():
+    w = torch.randn(64, 5)
+    blocks = w.view(4, 16, 5).transpose(1, 2).contiguous()  # F32Linear's layout [N/16, in, 16]
+    rows = ck._blocks_reader(blocks)
+    idx = torch.tensor([0, 17, 63, 5, 5])
+    assert torch.equal(rows(idx), w[idx]) and torch.equal(rows(slice(16, 48)), w[16:48])
+    with pytest.raises(ValueError, match="whole blocks"):
+        rows(slice(8, 32))
