@@ -1189,11 +1189,8 @@ class GreedyHead(nn.Module):
             )
         self.inner, self.k, self.from_rows, self.rows = inner, k, from_rows, rows
         self.out_features, self.in_features = inner.out_features, inner.in_features
-        w16, self.dw, self.nw = (
-            [],
-            0.0,
-            0.0,
-        )  # the bfloat16 copy; max |w - bf16(w)| and max |bf16(w)| over rows
+        # the bfloat16 copy, chunk by chunk; the largest |w - bf16(w)| and |bf16(w)| over the rows
+        w16, self.dw, self.nw = [], 0.0, 0.0
         for s in range(0, self.out_features, chunk):
             w = rows(slice(s, min(s + chunk, self.out_features)))  # [chunk, in] float32
             w16.append(w.bfloat16())
@@ -1202,9 +1199,8 @@ class GreedyHead(nn.Module):
             self.nw = max(self.nw, float(wf.norm(dim=1).max()))
         object.__setattr__(self, "weight16", torch.cat(w16))  # [V, in]: a second layout, not a parameter
         u = self.in_features * 2.0**-24
-        self.gamma = u / (
-            1 - u
-        )  # a float32 sum of `in_features` products: off by at most this share of sum |w x|
+        # a float32 sum of `in_features` products is off by at most this share of sum |w x|
+        self.gamma = u / (1 - u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)  # all the logits, as before
