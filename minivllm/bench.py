@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 
+from .cpu_kernels import cpuinfo
 from .engine import EngineArgs, LLMEngine, SamplingParams
 from .qwen2 import Qwen2ForCausalLM, Tokenizer, assemble_bundled_gguf, load_model, resolve_model
 
@@ -46,17 +47,6 @@ CPU_FLAGS = (
 )  # fmt: skip
 
 
-def _cpuinfo() -> dict[str, str]:
-    "The first processor's fields in /proc/cpuinfo ({} on a system without it)."
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    first = text.split("\n\n", 1)[0]
-    pairs = [line.split(":", 1) for line in first.splitlines() if ":" in line]
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
 def _memory_gb() -> float | None:
     "Physical memory in GB, where the system tells."
     try:
@@ -67,7 +57,7 @@ def _memory_gb() -> float | None:
 # %% ../nbs/06_benchmarks.ipynb #2e17df78
 def machine_info() -> dict:
     "The machine a result is measured on: CPU model and flags, cores, memory, torch, date (UTC)."
-    cpu = _cpuinfo()
+    cpu = cpuinfo()
     flags = set(cpu.get("flags", "").split())
     return {
         "cpu": cpu.get("model name") or platform.processor() or platform.machine(),

@@ -8,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -25,34 +28,39 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .qwen2 import PackedLinear, cache_dir, packing_supported, row_bucket
+from .qwen2 import PackedLinear, RMSNorm, cache_dir, packing_supported, row_bucket
 
 log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'C_COMMON', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST',
-           'F32_C', 'F32_ISAS', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'HEAD_C',
-           'GREEDY_SHORTLIST', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight', 'quantized_once', 'quantize_int8',
-           'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear',
-           'int4_group_size', 'quantize_int4', 'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here',
-           'int4_isas', 'build_library', 'int4_library', 'int4_int8_supported', 'Int4Int8Linear', 'ShortlistHead',
-           'f32_library', 'f32_supported', 'F32Linear', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'plan_of',
-           'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape',
-           'RowBuckets', 'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head', 'KernelReport',
-           'prepare_linears']
+           'F32_C', 'F32_ISAS', 'NORM_C', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'HEAD_C',
+           'GREEDY_SHORTLIST', 'PLANS_VERSION', 'cpuinfo', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight',
+           'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows',
+           'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
+           'int4_supported', 'Int4Linear', 'isas_here', 'isa_here', 'int4_isas', 'build_library', 'int4_library',
+           'int4_int8_supported', 'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported',
+           'f32_blocks', 'F32Linear', 'norm_library', 'CRMSNorm', 'prepare_norms', 'kernel_candidates', 'time_kernels',
+           'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit',
+           'builds_per_shape', 'RowBuckets', 'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head',
+           'KernelReport', 'machine_key', 'plan_key', 'PlanCache', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
-def cpu_flags() -> set[str]:
-    "The CPU's feature flags from /proc/cpuinfo (an empty set where there is no such file)."
+def cpuinfo() -> dict[str, str]:
+    "The first processor's fields in /proc/cpuinfo ({} on a system without it)."
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        return {}
+    first = text.split("\n\n", 1)[0]
+    pairs = [line.split(":", 1) for line in first.splitlines() if ":" in line]
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def cpu_flags() -> set[str]:
+    "The CPU's feature flags from /proc/cpuinfo (an empty set where there is no such file)."
+    return set(cpuinfo().get("flags", "").split())
 
 
 @functools.cache
@@ -558,6 +566,21 @@ def isas_here(table: dict[str, tuple[int, frozenset]]) -> list[str]:
     return [name for name, (_, flags) in table.items() if flags <= cpu_flags()]
 
 
+def isa_here(table: dict[str, tuple[int, frozenset]], isa: str | None, kind: str) -> str:
+    "`isa` if this CPU runs it (None: the best it runs); a clear error, never an illegal instruction, if not."
+    here = isas_here(table)
+    if isa is None and here:
+        return here[0]
+    if isa is None:
+        raise ValueError(f"this CPU runs none of our {kind} kernels {list(table)}")
+    if isa not in table:
+        raise ValueError(f"no {kind} kernel {isa!r}: {list(table)}")
+    if isa not in here:
+        need = ", ".join(sorted(table[isa][1] - cpu_flags()))
+        raise ValueError(f"this CPU cannot run our {kind} kernel {isa!r}: it lacks {need} (it runs {here})")
+    return isa
+
+
 def int4_isas() -> list[str]:
     "Our int4 kernels whose instructions this CPU lists, best first."
     return isas_here(INT4_ISAS)
@@ -609,8 +632,9 @@ def build_library(
         log.info(f"minivllm: built our {kind} kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
     fn = getattr(
         lib, entry or f"{kind}_linear"
-    )  # the entry point; `args`: its arguments, i an int, p a pointer
-    fn.argtypes, fn.restype = [{"i": ctypes.c_int, "p": ctypes.c_void_p}[a] for a in args], ctypes.c_int
+    )  # the entry point; `args`: its arguments, i an int, p a pointer, f a float
+    types = {"i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float}
+    fn.argtypes, fn.restype = [types[a] for a in args], ctypes.c_int
     return lib
 
 
@@ -626,29 +650,34 @@ def int4_int8_supported(out_features: int, in_features: int, group_size: int = 3
     return int4_isas() if ok and int4_library() is not None else []
 
 
+@once_per_weight
+def int4_int8_levels(q: torch.Tensor) -> torch.Tensor:
+    "int4 levels q [N, K] two to a byte, as our kernels read them: [N/16, K/8, 16, 4] bytes, for every isa."
+    n, k = q.shape
+    q8 = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [N/16, lane, K/8, low or high nibble, 4]
+    return (q8[:, :, :, 0] | (q8[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()  # [N/16, K/8, 16, 4]
+
+
 class Int4Int8Linear(nn.Module):
     "A linear layer with int4 weights in groups of 32 times int8 activations, in our kernel `isa` (`INT4_C`)."
 
-    def __init__(self, q, scale, zero, bias: torch.Tensor | None, isa: str = "vnni"):
+    def __init__(self, q, scale, zero, bias: torch.Tensor | None, isa: str | None = None):
         super().__init__()
         n, k = q.shape
         if n % 16 or k % 32 or scale.shape != (n, k // 32):
-            raise ValueError(f"int4/{isa} needs out % 16 == 0 and groups of 32, not {n}x{k} in {scale.shape}")
-        if isa not in INT4_ISAS:
-            raise ValueError(f"no int4 kernel {isa!r}: {list(INT4_ISAS)}")
+            raise ValueError(f"our int4 kernels need out % 16 == 0 and groups of 32: {n}x{k}, {scale.shape}")
+        isa = isa_here(INT4_ISAS, isa, "int4")  # None: the best this CPU runs
         self.out_features, self.in_features, self.group_size, self.isa = n, k, 32, isa
-        q8 = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [N/16, lane, K/8, low or high nibble, 4]
-        levels = (q8[:, :, :, 0] | (q8[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N/16, K/8, 16, 4] bytes
-        self.qweight = nn.Parameter(levels.contiguous(), requires_grad=False)
+        self.qweight = nn.Parameter(int4_int8_levels(q), requires_grad=False)  # one layout for every isa
         sm = torch.stack([scale, zero - 8 * scale]).view(2, n // 16, 16, k // 32)  # [2, N/16, lane, G]
         self.scales = nn.Parameter(sm.permute(1, 3, 0, 2).contiguous().bfloat16(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, group_size: int = 32, isa: str = "vnni") -> Int4Int8Linear:
+    def from_linear(cls, lin: nn.Linear, group_size: int = 32, isa: str | None = None) -> Int4Int8Linear:
         "`lin` quantized to int4 in groups of 32 (`group_size` must allow 32: see `int4_int8_supported`)."
         if int4_group_size(lin.in_features, group_size) != 32:
-            raise ValueError(f"int4/{isa} needs groups of 32; group_size {group_size} gives another here")
+            raise ValueError(f"our int4 kernels need groups of 32; group_size {group_size} gives others here")
         return cls(*quantize_int4(lin.weight, 32), lin.bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -836,23 +865,29 @@ def f32_supported(out_features: int) -> list[str]:
     return isas_here(F32_ISAS) if out_features % 16 == 0 and f32_library() is not None else []
 
 
+@once_per_weight
+def f32_blocks(w: torch.Tensor) -> torch.Tensor:
+    "A weight [N, K] as our float32 kernels read it, whichever isa: [N/16, K, 16], 16 channels a line."
+    n, k = w.shape
+    return w.detach().float().view(n // 16, 16, k).transpose(1, 2).contiguous()  # [N/16, K, 16]
+
+
 class F32Linear(nn.Module):
     "A float32 linear layer in our kernel `isa` (`F32_C`): weights as [N/16, K, 16], 16 channels a line."
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str = "avx512"):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None):
         super().__init__()
         n, k = weight.shape
         if n % 16:
-            raise ValueError(f"f32/{isa} needs out % 16 == 0, not {n}x{k}")
-        if isa not in F32_ISAS:
-            raise ValueError(f"no float32 kernel {isa!r}: {list(F32_ISAS)}")
+            raise ValueError(f"our float32 kernels need out % 16 == 0, not {n}x{k}")
+        isa = isa_here(F32_ISAS, isa, "float32")  # None: the best this CPU runs
         self.out_features, self.in_features, self.isa = n, k, isa
-        blocks = weight.detach().float().view(n // 16, 16, k).transpose(1, 2)  # [N/16, K, 16]
-        self.weight_blocks = nn.Parameter(blocks.contiguous(), requires_grad=False)
+        self.weight_blocks = nn.Parameter(f32_blocks(weight), requires_grad=False)  # one layout for every isa
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, isa: str = "avx512") -> F32Linear:
+    def from_linear(cls, lin: nn.Linear, isa: str | None = None) -> F32Linear:
+        "`lin` in our float32 kernel `isa` (None: the best this CPU runs)."
         return cls(lin.weight, lin.bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -868,6 +903,105 @@ class F32Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.isa}"
+
+# %% ../nbs/01b_cpu_kernels.ipynb #241e9017
+NORM_C = (
+    C_COMMON
+    + r"""
+INLINE float to_bf16(float f) {  // f rounded to bfloat16 (to nearest, ties to even), as a float
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// One row: y = w * dtype(x / sqrt(mean(x^2) + eps)), in float32, rounded to x's dtype twice as 01's RMSNorm
+// rounds: after the normalization and after the weight. x, w and y float32, or bfloat16 (`bf16`).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void norm_row(int bf16, const void* x, const void* w, float eps, int n, void* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int i = 0; i < n; i++) {
+    float v = value(x, bf16, i);
+    ss += v * v;
+  }
+  float r = 1.f / sqrtf(ss / (float)n + eps);
+  for (int i = 0; i < n; i++) {
+    float v = value(x, bf16, i) * r;
+    put(y, bf16, i, value(w, bf16, i) * (bf16 ? to_bf16(v) : v));
+  }
+}
+
+// Every row of x [rows, n] into y [rows, n]; a batch of rows split over the threads.
+int rmsnorm(int bf16, const void* x, const void* w, float eps, int rows, int n, void* y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+  for (int r = 0; r < rows; r++) {
+    long at = (long)r * n * (bf16 ? 2 : 4);  // bytes to row r
+    norm_row(bf16, (const char*)x + at, w, eps, n, (char*)y + at);
+  }
+  return 0;
+}
+
+int norm_selftest(int isa) {  // rows of 1/8-steps (exact squares and sums), against the same steps in double
+  enum { R = 9, N = 40 };
+  static float x[R * N], w[N], y[R * N];
+  (void)isa;
+  for (int i = 0; i < N; i++) w[i] = (i % 5 + 1) / 4.f;
+  for (int i = 0; i < R * N; i++) x[i] = ((i * 7) % 17 - 8) / 8.f;
+  rmsnorm(0, x, w, 1e-6f, R, N, y, 2);
+  for (int r = 0; r < R; r++) {
+    double ss = 0;
+    for (int i = 0; i < N; i++) ss += (double)x[r * N + i] * x[r * N + i];
+    double inv = 1 / sqrt(ss / N + 1e-6);
+    for (int i = 0; i < N; i++) {
+      double want = w[i] * x[r * N + i] * inv;
+      if (fabs(y[r * N + i] - want) > 1e-5 * (1 + fabs(want))) return 1;
+    }
+  }
+  return 0;
+}
+"""
+)
+
+
+@functools.cache
+def norm_library() -> ctypes.CDLL | None:
+    "Our compiled RMSNorm (built once per machine and source), or None where it cannot run."
+    return build_library("norm", NORM_C, {"c": (0, frozenset())}, "ippfiipi", entry="rmsnorm")
+
+
+class CRMSNorm(RMSNorm):
+    "01's `RMSNorm` in one C call (`NORM_C`) for float32 or bfloat16 rows on the CPU; PyTorch's otherwise."
+
+    @classmethod
+    def from_norm(cls, norm: RMSNorm) -> CRMSNorm:
+        "`norm` with the same weight (shared, not copied) and epsilon."
+        new = cls(1, norm.eps)
+        new.weight = norm.weight
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, lib = self.weight, norm_library()
+        ours = x.device.type == "cpu" and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
+        if lib is None or not ours:
+            return super().forward(x)
+        rows = x.reshape(-1, w.shape[0]).contiguous()  # [T, n]
+        y = torch.empty_like(rows)
+        bf16 = x.dtype == torch.bfloat16
+        n, threads = w.shape[0], torch.get_num_threads()
+        lib.rmsnorm(bf16, rows.data_ptr(), w.data_ptr(), self.eps, rows.shape[0], n, y.data_ptr(), threads)
+        return y.view(x.shape)
+
+
+def prepare_norms(model: nn.Module) -> int:
+    "Every `RMSNorm` of `model` as a `CRMSNorm` (where our C builds), in place; how many."
+    if norm_library() is None:
+        return 0
+    norms = [(p, n, c) for p in model.modules() for n, c in p.named_children() if type(c) is RMSNorm]
+    for parent, name, norm in norms:
+        setattr(parent, name, CRMSNorm.from_norm(norm))
+    return len(norms)
 
 # %% ../nbs/01b_cpu_kernels.ipynb #d4c1e4e8
 Kernel = Callable[[nn.Linear], nn.Module]
@@ -1251,7 +1385,19 @@ class GreedyHead(nn.Module):
         return f"shortlist {self.k} from a bfloat16 pass, from {self.from_rows} rows"
 
 
-def use_greedy_head(model: nn.Module, report: KernelReport) -> None:
+def _greedy_start(head: nn.Module, greedy: GreedyHead) -> tuple[int | None, dict[str, list[float]]]:
+    "The smallest timed row count from which `greedy`'s arg-max beats the logits' at every larger one."
+    fns = {"logits": lambda x: head(x).float().max(-1), "greedy": greedy.argmax}
+    secs = time_kernels(fns, head.in_features, torch.float32)
+    start = None
+    for rows, full, short in reversed(list(zip(TIME_ROWS, secs["logits"], secs["greedy"]))):
+        if short >= full:
+            break
+        start = rows
+    return start, secs
+
+
+def use_greedy_head(model: nn.Module, report: KernelReport, kept: PlanCache | None = None) -> None:
     "A float32 head becomes a `GreedyHead` from the smallest timed row count where its arg-max stays ahead."
     head = getattr(model, "lm_head", None)
     if head is None or report.dtype != torch.float32 or report.quantization is not None:
@@ -1260,22 +1406,23 @@ def use_greedy_head(model: nn.Module, report: KernelReport) -> None:
         return
     if head.out_features * head.in_features * 2 > TWO_LAYOUTS_SHARE * (available_memory() or 0):
         return  # no room for the bfloat16 copy
-    t0 = time.perf_counter()
-    greedy = GreedyHead(head)
-    fns = {"logits": lambda x: head(x).float().max(-1), "greedy": greedy.argmax}
-    secs = time_kernels(fns, head.in_features, torch.float32)
-    start = None  # the smallest timed row count from which the arg-max wins at every larger one
-    for rows, full, short in reversed(list(zip(TIME_ROWS, secs["logits"], secs["greedy"]))):
-        if short >= full:
-            break
-        start = rows
-    key = f"{head.out_features}x{head.in_features} greedy"
-    report.timings[key] = secs
-    report.choices[key] = f"bf16 shortlist from {start} rows" if start else "logits"
-    report.seconds_timing += time.perf_counter() - t0
+    t0, shape = time.perf_counter(), f"{head.out_features}x{head.in_features}"
+    key = f"float32 greedy head {shape} after {report.choices.get(shape)}"  # and its logits' own kernels
+    plan, greedy = kept.get(key) if kept is not None else None, None
+    if plan is not None:  # kept from an earlier start: [] for the logits, [(rows, "greedy")] for the head
+        start = plan[0][0] if plan else None
+        report.remembered.append(f"{shape} greedy")
+    else:
+        greedy = GreedyHead(head)
+        start, secs = _greedy_start(head, greedy)
+        report.timings[f"{shape} greedy"] = secs
+        if kept is not None:
+            kept.put(key, [(start, "greedy")] if start else [], secs)
+    report.choices[f"{shape} greedy"] = f"bf16 shortlist from {start} rows" if start else "logits"
     if start is not None:
-        greedy.from_rows = start
-        model.lm_head = greedy
+        model.lm_head = greedy or GreedyHead(head)
+        model.lm_head.from_rows = start
+    report.seconds_timing += time.perf_counter() - t0
 
 # %% ../nbs/01b_cpu_kernels.ipynb #ffe8805e
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -1312,6 +1459,7 @@ class KernelReport:
     timings: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     seconds_timing: float = 0.0  # spent building and timing the candidates (first layer of each shape)
     seconds_building: float = 0.0  # spent quantizing / reordering the other layers
+    remembered: list[str] = field(default_factory=list)  # the shapes whose plan an earlier start measured
 
     @property
     def line(self) -> str:
@@ -1321,7 +1469,73 @@ class KernelReport:
         )
         shapes = ", ".join(f"{s} {k}" for s, k in self.choices.items())
         cost = f"timed in {self.seconds_timing:.2f} s, built in {self.seconds_building:.2f} s"
+        if self.remembered:
+            cost += (
+                f"; {len(self.remembered)} of {len(self.choices)} as measured at an earlier start on this"
+                " machine, MINIVLLM_RETIME=1 measures anew"
+            )
         return f"minivllm: linear kernels (cpu, {mode}): {shapes} ({cost})"
+
+# %% ../nbs/01b_cpu_kernels.ipynb #5e02c49f
+PLANS_VERSION = 1  # what a kept plan means; plans kept by another version are measured anew
+
+
+def machine_key() -> str:
+    "What a measured plan holds for: the CPU's model and flags, cores and threads, torch, our C kernels."
+    cpu = cpuinfo().get("model name", platform.machine())
+    parts = [str(PLANS_VERSION), cpu, " ".join(sorted(cpu_flags()))]
+    parts += [str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, INT4_C, F32_C, HEAD_C]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def plan_key(lin: nn.Linear, quantization, pack, group_size: int, two: bool, head: bool, kernels) -> str:
+    "What a plan was chosen for: the layer's dtype, quantization, shape, bias, the options and candidates."
+    dtype, what = str(lin.weight.dtype).removeprefix("torch."), "head" if head else "layer"
+    layer = f"{dtype} {quantization or 'float'} {what} {lin.out_features}x{lin.in_features}"
+    options = f"bias={lin.bias is not None} pack={pack} group={group_size} two={two}"
+    return f"{layer} {options}: {' '.join(kernels)}"
+
+# %% ../nbs/01b_cpu_kernels.ipynb #291e9682
+class PlanCache:
+    "The plans measured at earlier starts on this machine, in a JSON file: a layer found there is not timed."
+
+    def __init__(self, path: Path, read: bool = True):
+        self.path, self.plans = Path(path), {}
+        if read:
+            self.plans = self._on_disk()
+
+    @classmethod
+    def here(cls) -> PlanCache:
+        "This machine's plans, in `cache_dir()/plans`; `MINIVLLM_RETIME=1`: measured anew (and kept)."
+        retime = os.environ.get("MINIVLLM_RETIME", "") not in ("", "0")
+        return cls(cache_dir() / "plans" / f"{machine_key()}.json", read=not retime)
+
+    def _on_disk(self) -> dict:
+        try:
+            plans = json.loads(self.path.read_text())["plans"]
+            return plans if isinstance(plans, dict) else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}  # none yet, or unreadable: measured, and a good file written
+
+    def get(self, key: str) -> Plan | None:
+        "The plan kept for `key`, or None."
+        try:
+            return [(int(rows), str(name)) for rows, name in self.plans[key]["plan"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, key: str, plan: Plan, secs: dict[str, list[float]]) -> None:
+        "Keep `plan` for `key`, with the seconds it was chosen by; written at once (whole, or not at all)."
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.plans[key] = {"plan": plan, "seconds": secs, "measured": when}
+        self.plans = self._on_disk() | self.plans  # what another process kept meanwhile stays
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"cpu": cpuinfo().get("model name"), "plans": self.plans}, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning(f"minivllm: the measured plans cannot be kept in {self.path}: {e}")
 
 # %% ../nbs/01b_cpu_kernels.ipynb #8c8d8daf
 def _build(plan: Plan, mods: dict[str, nn.Module], dtype: torch.dtype) -> nn.Module:
@@ -1334,14 +1548,31 @@ def _build(plan: Plan, mods: dict[str, nn.Module], dtype: torch.dtype) -> nn.Mod
     return RowBuckets(layer) if any(builds_per_shape(name, dtype) for _, name in plan) else layer
 
 
+def _decide(lin: nn.Linear, q, pack, group_size: int, two: bool, head: bool, kept: PlanCache | None, report):
+    "`lin`'s plan, kept from an earlier start or measured now (then with `lin` built in every candidate)."
+    kernels = kernel_candidates(lin, q, pack, group_size, head)
+    key = plan_key(lin, q, pack, group_size, two, head, kernels)
+    shape = f"{lin.out_features}x{lin.in_features}"
+    plan = kept.get(key) if kept is not None else None
+    if plan is not None and all(name in kernels for _, name in plan):
+        report.remembered.append(shape)
+        return plan, None
+    plan, secs, mods = choose_kernel(lin, q, pack, group_size, two, head)
+    report.timings[shape] = secs
+    if kept is not None:
+        kept.put(key, plan, secs)
+    return plan, mods
+
+
 def prepare_linears(
     model: nn.Module,
     quantization: str | None = None,
     pack: bool | None = None,
     group_size: int = 32,
     two_layouts: bool | None = None,
+    kept: PlanCache | None = None,
 ) -> KernelReport:
-    "Swap every `nn.Linear` for the fastest kernels measured on this CPU (quantized if asked), in place."
+    "Swap every `nn.Linear` for the fastest kernels measured on this CPU (or `kept` from before), in place."
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} unknown: use int8 or int4")
     todo = _linears(model)
@@ -1354,21 +1585,20 @@ def prepare_linears(
         q = _layer_quantization(model, lin, quantization)
         head = lin is getattr(model, "lm_head", None)
         key = (q, head, lin.out_features, lin.in_features)
-        t0 = time.perf_counter()
+        t0, mods = time.perf_counter(), None
         with torch.no_grad():
-            if key in plans:  # a shape decided before: build this layer in its plan's kernels
+            if key not in plans:  # the first layer of its shape: its plan kept, or measured in each candidate
+                plans[key], mods = _decide(lin, q, pack, group_size, two, head, kept, report)
+                report.choices[f"{lin.out_features}x{lin.in_features}"] = plan_name(plans[key])
+                report.seconds_timing += time.perf_counter() - t0
+                t0 = time.perf_counter()
+            if mods is None:  # a shape decided before: build this layer in its plan's kernels
                 kernels = kernel_candidates(lin, q, pack, group_size, head)
                 with quantized_once():
                     mods = {k: kernels[k](lin) for _, k in plans[key]}
-            else:  # the first layer of its shape: timed in every candidate, which its plan keeps
-                plans[key], secs, mods = choose_kernel(lin, q, pack, group_size, two, head)
-                report.seconds_timing += time.perf_counter() - t0
-                report.choices[f"{lin.out_features}x{lin.in_features}"] = plan_name(plans[key])
-                report.timings[f"{lin.out_features}x{lin.in_features}"] = secs
-                t0 = time.perf_counter()
             setattr(parent, name, _build(plans[key], mods, lin.weight.dtype))
         report.seconds_building += time.perf_counter() - t0
-    use_greedy_head(model, report)
+    use_greedy_head(model, report, kept)
     head, emb = getattr(model, "lm_head", None), _embedding(model)
     if head is not None and emb is not None and not hasattr(head, "weight"):
         head.weight = emb.weight.detach()  # answers dtype and device; not a parameter (see above)

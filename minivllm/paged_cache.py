@@ -715,11 +715,12 @@ def attend(
         else:  # index_select: the same rows as kslots[p.context_slots], a third of the fixed cost on the CPU
             ks, vs = kslots.index_select(0, p.context_slots), vslots.index_select(0, p.context_slots)
         out.append(causal_attention(q[rows], ks, vs))
-    if self.lone_context is not None:  # 3a. one decode row alone: one gather and one attention call
+    qd = q[q.shape[0] - self.num_decode :]  # 3. decode: one query per sequence
+    if self.num_decode and c_decode_supported(qd, kp):  # 3a. in C on the CPU, where it is built
+        out.append(paged_decode_attention_c(qd, kp, vp, self.block_ids, self.block_row, self.valid))
+    elif self.lone_context is not None:  # 3b. one decode row alone: one gather and one attention call
         ks, vs = kslots.index_select(0, self.lone_context), vslots.index_select(0, self.lone_context)
         out.append(causal_attention(q, ks, vs))  # ks, vs: [context_len, Hkv, D]
-    elif self.num_decode:  # 3b. decode: one query per sequence (in C on the CPU, where it is built)
-        qd = q[q.shape[0] - self.num_decode :]
-        decode = paged_decode_attention_c if c_decode_supported(qd, kp) else paged_decode_attention
-        out.append(decode(qd, kp, vp, self.block_ids, self.block_row, self.valid))
+    elif self.num_decode:  # 3c. block by block in PyTorch
+        out.append(paged_decode_attention(qd, kp, vp, self.block_ids, self.block_row, self.valid))
     return out[0] if len(out) == 1 else torch.cat(out)

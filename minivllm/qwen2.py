@@ -1129,7 +1129,7 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[Qwen2ForCausalLM, Tokenizer]:
     "Model and tokenizer for `model`; CPU: kernels by measurement (`pack`: True oneDNN, False `nn.Linear`)."
-    from minivllm.cpu_kernels import QUANTIZATIONS, prepare_linears  # cpu_kernels imports this module
+    from minivllm.cpu_kernels import QUANTIZATIONS, PlanCache, prepare_linears, prepare_norms  # (imports us)
 
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} unknown: use int8 or int4")
@@ -1147,7 +1147,8 @@ def load_model(
     if quantization is not None and not on_cpu:
         raise ValueError(f"quantization {quantization!r} runs on the CPU only")
     if on_cpu and (pack is not False or quantization is not None):
-        prepare_linears(m, quantization, pack)  # pack=True: oneDNN alone, row counts bucketed
+        prepare_linears(m, quantization, pack, kept=PlanCache.here())  # plans measured here before: kept
+        prepare_norms(m)  # RMSNorm in one C call
     elif pack:
         pack_linears(m)  # off the CPU: refused, with the reason
     return m, tok

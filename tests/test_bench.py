@@ -116,7 +116,7 @@ def test_machine_info_records_cpu_flags_torch_and_date():
 
 def test_machine_info_reads_the_flags_of_proc_cpuinfo(monkeypatch):
     fields = {"model name": "Test CPU 9000", "flags": "fpu sse2 avx2 fma avx512f amx_tile"}
-    monkeypatch.setattr(bench, "_cpuinfo", lambda: fields)
+    monkeypatch.setattr(bench, "cpuinfo", lambda: fields)
     m = bench.machine_info()
     assert (m["cpu"], m["flags"]) == ("Test CPU 9000", ["avx2", "fma", "avx512f", "amx_tile"])
     line = bench.describe_machine(m)

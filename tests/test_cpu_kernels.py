@@ -495,6 +495,21 @@ def test_f32_on_a_cpu_with_avx2_only(monkeypatch, fresh_int4):
     assert [f.name for f in built(fresh_int4) if f.name.startswith("f32_") and f.name.endswith("_avx2.so")]
 
 
+def test_kernels_this_cpu_lacks_are_refused_not_run(monkeypatch):
+    "On an AVX2-only CPU, asking for an AVX-512 kernel is a clear error (running it would kill the process)."
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx", "avx2", "fma"})
+    lin = nn.Linear(64, 48)
+    with pytest.raises(ValueError, match="cannot run our float32 kernel 'avx512': it lacks avx512f"):
+        ck.F32Linear.from_linear(lin, "avx512")
+    with pytest.raises(ValueError, match="cannot run our int4 kernel 'vnni'"):
+        ck.Int4Int8Linear.from_linear(lin, isa="vnni")
+    assert ck.F32Linear.from_linear(lin).isa == "avx2"  # no isa named: the best this CPU runs
+    assert ck.Int4Int8Linear.from_linear(lin).isa == "avx2"
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"sse2"})
+    with pytest.raises(ValueError, match="runs none of our float32 kernels"):
+        ck.F32Linear.from_linear(lin)
+
+
 @pytest.mark.skipif(not F32_OURS, reason="no AVX-512 or AVX2, or no C compiler")
 def test_f32_built_once_and_a_wrong_build_turned_down(monkeypatch, fresh_int4, caplog):
     with caplog.at_level(logging.INFO, logger="minivllm"):
@@ -867,3 +882,182 @@ def test_blocks_reader_reads_rows_by_index_and_by_slice():
     assert torch.equal(rows(idx), w[idx]) and torch.equal(rows(slice(16, 48)), w[16:48])
     with pytest.raises(ValueError, match="whole blocks"):
         rows(slice(8, 32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# plans kept for the next start, and one weight layout for every instruction set of ours
+
+
+def no_timing(*a, **k):
+    raise AssertionError("timed although a kept plan was there")
+
+
+def test_kept_plans_are_built_without_timing_and_give_the_same_model(monkeypatch, tmp_path):
+    fake = {"mkl": [2.0, 9.0, 9.0], "onednn": [1.0, 1.0, 1.0]}  # oneDNN where it packs: a plan to find again
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [5.0] * 3) for n in mods})
+    kept = ck.PlanCache(tmp_path / "plans.json")
+    first = tiny()
+    report = prepare_linears(first, kept=kept)
+    assert report.remembered == [] and report.timings and kept.path.exists()
+    monkeypatch.setattr(ck, "time_kernels", no_timing)
+    again = tiny()
+    second = prepare_linears(again, kept=ck.PlanCache(kept.path))  # a later start reads the file
+    assert second.choices == report.choices and second.timings == {}
+    assert second.remembered == list(report.choices)  # every shape (and the greedy head, if any)
+    assert "as measured at an earlier start" in second.line
+    assert torch.equal(logits(again, IDS), logits(first, IDS))
+    with pytest.raises(AssertionError, match="timed although"):  # without the cache: measured again
+        prepare_linears(tiny())
+
+
+def test_a_plan_for_other_candidates_or_options_is_measured_anew(monkeypatch, tmp_path):
+    kept = ck.PlanCache(tmp_path / "plans.json")
+    prepare_linears(tiny(), "int8", kept=kept)
+    monkeypatch.setattr(ck, "time_kernels", no_timing)
+    prepare_linears(tiny(), "int8", kept=ck.PlanCache(kept.path))  # the same: kept
+    with pytest.raises(AssertionError, match="timed although"):
+        prepare_linears(tiny(), "int8", group_size=64, kept=ck.PlanCache(kept.path))  # another option
+    lin = nn.Linear(64, 48)
+    with_ours = ck.plan_key(lin, None, None, 32, True, False, ["mkl", "onednn", "f32/avx2"])
+    assert with_ours != ck.plan_key(lin, None, None, 32, True, False, ["mkl", "onednn"])  # no compiler now
+    assert with_ours != ck.plan_key(lin.bfloat16(), None, None, 32, True, False, ["mkl", "onednn", "f32/avx2"])
+
+
+def test_plan_cache_survives_a_broken_or_unwritable_file(tmp_path, caplog):
+    bad = tmp_path / "plans.json"
+    bad.write_text('{"plans": {"x": {"plan": "not a plan"}}}')
+    assert ck.PlanCache(bad).get("x") is None
+    bad.write_text("[1, 2")
+    assert ck.PlanCache(bad).plans == {}
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder should be
+    kept = ck.PlanCache(blocked / "plans.json")
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        report = prepare_linears(tiny(), kept=kept)
+    assert report.choices and "cannot be kept" in caplog.text
+
+
+def test_plan_files_are_per_machine(monkeypatch):
+    here = ck.machine_key()
+    monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx2", "fma"})
+    assert ck.machine_key() != here  # another CPU: measured anew
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert len({here, ck.machine_key()}) == 2
+
+
+def test_load_model_keeps_its_plans_and_retime_measures_anew(tiny_folder, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("MINIVLLM_RETIME", raising=False)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        load_model(tiny_folder, "float32", "cpu")
+    assert "earlier start" not in caplog.text
+    assert [p.parent.name for p in tmp_path.rglob("*.json")] == ["plans"]
+    caplog.clear()
+    monkeypatch.setattr(ck, "time_kernels", no_timing)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        load_model(tiny_folder, "float32", "cpu")  # a restart: nothing timed
+    assert "as measured at an earlier start on this machine" in caplog.text
+    monkeypatch.setenv("MINIVLLM_RETIME", "1")
+    with pytest.raises(AssertionError, match="timed although"):
+        load_model(tiny_folder, "float32", "cpu")
+
+
+@needs_head
+def test_the_greedy_heads_choice_is_kept_too(monkeypatch, tmp_path):
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {"logits": [1.0] * 3, "greedy": [0.5] * 3}
+                        if set(mods) == {"logits", "greedy"} else {n: [1.0] * 3 for n in mods})
+    m, kept = tiny(), ck.PlanCache(tmp_path / "plans.json")
+    report = ck.KernelReport(torch.float32, None)
+    ck.use_greedy_head(m, report, kept)
+    assert type(m.lm_head) is ck.GreedyHead and m.lm_head.from_rows == 1
+    monkeypatch.setattr(ck, "time_kernels", no_timing)
+    again, report = tiny(), ck.KernelReport(torch.float32, None)
+    ck.use_greedy_head(again, report, ck.PlanCache(kept.path))
+    assert type(again.lm_head) is ck.GreedyHead and again.lm_head.from_rows == 1
+    assert report.remembered == ["261x64 greedy"] and report.choices["261x64 greedy"] == "bf16 shortlist from 1 rows"
+
+
+@pytest.mark.skipif(len(F32_OURS) < 2, reason="this CPU runs fewer than two of our float32 kernels")
+def test_our_float32_kernels_of_one_layer_share_its_layout(monkeypatch):
+    lin = nn.Linear(64, 48)
+    with ck.quantized_once():
+        a, b = (ck.F32Linear.from_linear(lin, isa) for isa in F32_OURS)
+    assert a.weight_blocks.data_ptr() == b.weight_blocks.data_ptr()  # one copy of the weights for a plan of both
+    fake = {f"f32/{F32_OURS[1]}": [0.1, 1.0, 1.0], f"f32/{F32_OURS[0]}": [1.0, 0.1, 0.1]}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [5.0] * 3) for n in mods})
+    m = tiny()
+    prepare_linears(m, two_layouts=True)
+    layer = m.model.layers[0].mlp.down_proj
+    assert type(layer) is ck.ByRows and layer.few.weight_blocks.data_ptr() == layer.many.weight_blocks.data_ptr()
+
+
+@pytest.mark.skipif(len(OURS) < 2, reason="this CPU runs fewer than two of our int4 kernels")
+def test_our_int4_kernels_of_one_layer_share_its_layout():
+    lin = nn.Linear(64, 48)
+    with ck.quantized_once():
+        a, b = (ck.Int4Int8Linear.from_linear(lin, isa=isa) for isa in OURS)
+    assert a.qweight.data_ptr() == b.qweight.data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RMSNorm in C
+
+from minivllm.qwen2 import RMSNorm  # noqa: E402
+
+needs_norm = pytest.mark.skipif(ck.norm_library() is None, reason="no C compiler for our RMSNorm")
+
+
+@needs_norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 896), (7, 64), (33, 200), (2, 3, 48)])  # one row, the threaded batch, 3-D
+def test_c_rmsnorm_is_pytorchs_to_a_rounding(dtype, shape):
+    torch.manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        fast = ck.CRMSNorm.from_norm(norm)
+        x = (torch.randn(shape) * 5).to(dtype)
+        got, want = fast(x), norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    rel = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
+    assert rel.max() <= (1e-6 if dtype == torch.float32 else 2**-7)  # the sum of squares in another order
+    exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)) * norm.weight.double()
+    assert ((got.double() - exact).abs() <= (exact.abs() * (1e-6 if dtype == torch.float32 else 2**-7) + 1e-6)).all()
+
+
+@needs_norm
+def test_c_rmsnorm_hands_other_inputs_to_pytorch():
+    norm = RMSNorm(64, 1e-5)
+    fast = ck.CRMSNorm.from_norm(norm)
+    assert fast.weight is norm.weight and fast.eps == 1e-5
+    with torch.no_grad():
+        x = torch.randn(4, 64)
+        assert torch.equal(fast(x.bfloat16()), norm(x.bfloat16()))  # bfloat16 rows, float32 weight: PyTorch's
+        assert torch.equal(fast(x.half()), norm(x.half()))
+        strided = torch.randn(64, 4).t()  # not contiguous
+        assert (fast(strided) - norm(strided)).abs().max() <= 1e-6
+        assert fast(torch.randn(0, 64)).shape == (0, 64)
+
+
+@needs_norm
+def test_prepare_norms_swaps_every_norm_and_the_model_agrees(tiny_folder):
+    plain, _ = load_model(tiny_folder, "float32", "cpu", pack=False)  # the exact path: PyTorch's norms
+    assert not any(type(m) is ck.CRMSNorm for m in plain.modules())
+    m = tiny()
+    ref = logits(m, IDS)
+    assert ck.prepare_norms(m) == 2 * 2 + 1  # two per layer, and the final norm
+    assert all(type(n) is not RMSNorm for n in m.modules())
+    assert rel(logits(m, IDS), ref) <= 1e-5
+    prepared, _ = load_model(tiny_folder, "float32", "cpu")  # the measured path: ours
+    assert sum(type(n) is ck.CRMSNorm for n in prepared.modules()) == 5
+
+
+def test_prepare_norms_without_a_compiler_keeps_pytorchs(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    ck.norm_library.cache_clear()
+    try:
+        m = tiny()
+        assert ck.prepare_norms(m) == 0 and not any(type(n) is ck.CRMSNorm for n in m.modules())
+    finally:
+        ck.norm_library.cache_clear()

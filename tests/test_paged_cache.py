@@ -484,6 +484,30 @@ def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
 
 
 @HAS_C
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypatch, dtype):
+    cfg = tiny_cfg()
+    kv = KVCache(cfg, num_blocks=16, block_size=4, dtype=dtype, device=CPU)
+    kv.k.normal_()
+    kv.v.normal_()
+    meta = PagedBatch.build(kv, [(BlockTable(4, [5, 2, 9], 11), 10, 1)], num_prefill=0, device=CPU)
+    assert meta.lone_context is not None  # one user: the gather path is ready
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, k, v = (torch.randn(1, h, D, dtype=dtype) for h in (H, Hkv, Hkv))
+    calls, sdpa = [], []
+    c_kernel, causal = pc.paged_decode_attention_c, pc.causal_attention
+    monkeypatch.setattr(pc, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
+    monkeypatch.setattr(pc, "causal_attention", lambda *a: sdpa.append(1) or causal(*a))
+    got = meta.attend(0, q, k, v)
+    assert calls == [1] and sdpa == []  # one C call, no gather
+    monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: one gather, one SDPA call
+    want = meta.attend(0, q, k, v)
+    assert calls == [1] and sdpa == [1]
+    tol = ATTN_TOL if dtype == torch.float32 else 2e-2
+    assert (got.float() - want.float()).abs().max() <= tol
+
+
+@HAS_C
 def test_c_decode_self_test_turns_down_a_wrong_build(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     pc.attn_library.cache_clear()
