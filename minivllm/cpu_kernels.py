@@ -1500,7 +1500,7 @@ class PlanCache:
     "The plans measured at earlier starts on this machine, in a JSON file: a layer found there is not timed."
 
     def __init__(self, path: Path, read: bool = True):
-        self.path, self.plans = Path(path), {}
+        self.path, self.plans, self.writable = Path(path), {}, True
         if read:
             self.plans = self._on_disk()
 
@@ -1528,6 +1528,8 @@ class PlanCache:
         "Keep `plan` for `key`, with the seconds it was chosen by; written at once (whole, or not at all)."
         when = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.plans[key] = {"plan": plan, "seconds": secs, "measured": when}
+        if not self.writable:  # said once: kept for this start only
+            return
         self.plans = self._on_disk() | self.plans  # what another process kept meanwhile stays
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -1535,6 +1537,7 @@ class PlanCache:
             tmp.write_text(json.dumps({"cpu": cpuinfo().get("model name"), "plans": self.plans}, indent=1))
             os.replace(tmp, self.path)
         except OSError as e:
+            self.writable = False
             log.warning(f"minivllm: the measured plans cannot be kept in {self.path}: {e}")
 
 # %% ../nbs/01b_cpu_kernels.ipynb #8c8d8daf

@@ -934,7 +934,7 @@ def test_plan_cache_survives_a_broken_or_unwritable_file(tmp_path, caplog):
     kept = ck.PlanCache(blocked / "plans.json")
     with caplog.at_level(logging.WARNING, logger="minivllm"):
         report = prepare_linears(tiny(), kept=kept)
-    assert report.choices and "cannot be kept" in caplog.text
+    assert report.choices and caplog.text.count("cannot be kept") == 1  # said once, not for every shape
 
 
 def test_plan_files_are_per_machine(monkeypatch):
