@@ -1420,7 +1420,7 @@ def use_greedy_head(model: nn.Module, report: KernelReport, kept: PlanCache | No
             kept.put(key, [(start, "greedy")] if start else [], secs)
     report.choices[f"{shape} greedy"] = f"bf16 shortlist from {start} rows" if start else "logits"
     if start is not None:
-        model.lm_head = greedy or GreedyHead(head)
+        model.lm_head = greedy if greedy is not None else GreedyHead(head)
         model.lm_head.from_rows = start
     report.seconds_timing += time.perf_counter() - t0
 
@@ -1557,7 +1557,7 @@ def _decide(lin: nn.Linear, q, pack, group_size: int, two: bool, head: bool, kep
     key = plan_key(lin, q, pack, group_size, two, head, kernels)
     shape = f"{lin.out_features}x{lin.in_features}"
     plan = kept.get(key) if kept is not None else None
-    if plan is not None and all(name in kernels for _, name in plan):
+    if plan and all(name in kernels for _, name in plan):  # (a hand-edited file may hold anything)
         report.remembered.append(shape)
         return plan, None
     plan, secs, mods = choose_kernel(lin, q, pack, group_size, two, head)
