@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -22,29 +23,31 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .qwen2 import PackedLinear, RMSNorm, cache_dir, packing_supported, row_bucket
+from .qwen2 import PackedLinear, RMSNorm, apply_rotary, cache_dir, packing_supported, row_bucket
 
 log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'C_COMMON', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST',
-           'F32_C', 'F32_ISAS', 'NORM_C', 'Kernel', 'TIME_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'HEAD_C',
-           'GREEDY_SHORTLIST', 'PLANS_VERSION', 'cpuinfo', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight',
-           'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows',
-           'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4', 'dequantize_int4',
-           'int4_supported', 'Int4Linear', 'isas_here', 'isa_here', 'int4_isas', 'build_library', 'int4_library',
-           'int4_int8_supported', 'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported',
-           'f32_blocks', 'F32Linear', 'norm_library', 'CRMSNorm', 'prepare_norms', 'kernel_candidates', 'time_kernels',
-           'weight_bytes', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit',
-           'builds_per_shape', 'RowBuckets', 'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head',
-           'KernelReport', 'machine_key', 'plan_key', 'PlanCache', 'prepare_linears']
+           'F32_C', 'F32_ISAS', 'NORM_C', 'Kernel', 'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN',
+           'TWO_LAYOUTS_SHARE', 'HEAD_C', 'GREEDY_SHORTLIST', 'PLANS_VERSION', 'cpuinfo', 'cpu_flags', 'cpu_has_bf16',
+           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
+           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here', 'isa_here', 'int4_isas', 'build_library',
+           'declare', 'int4_library', 'int4_int8_supported', 'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead',
+           'f32_library', 'f32_supported', 'f32_blocks', 'F32Linear', 'norm_library', 'CRMSNorm', 'prepare_norms',
+           'c_rotary', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'layout_of', 'plan_of', 'plan_name',
+           'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets',
+           'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head', 'KernelReport', 'machine_key', 'plan_key',
+           'PlanCache', 'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpuinfo() -> dict[str, str]:
@@ -630,12 +633,14 @@ def build_library(
     if build:
         took = time.perf_counter() - t0
         log.info(f"minivllm: built our {kind} kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
-    fn = getattr(
-        lib, entry or f"{kind}_linear"
-    )  # the entry point; `args`: its arguments, i an int, p a pointer, f a float
+    declare(getattr(lib, entry or f"{kind}_linear"), args)  # the entry point
+    return lib
+
+
+def declare(fn, args: str) -> None:
+    "Say what C function `fn` takes: `args`, i an int, p a pointer, f a float; it returns an int."
     types = {"i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float}
     fn.argtypes, fn.restype = [types[a] for a in args], ctypes.c_int
-    return lib
 
 
 @functools.cache
@@ -725,16 +730,34 @@ class ShortlistHead(nn.Module):
         "`lin` quantized twice: to int4 for the shortlist (by the factory `coarse`), to int8 for its scores."
         return cls(coarse(lin, group_size), Int8Linear.from_linear(lin), k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [T, in]
+    def shortlist(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        "rows [T, in] -> int4's scores [T, V], their `k` best (values, indices), those tokens' int8 scores."
         y = self.coarse(rows)  # [T, V] int4's scores, in x's dtype
-        idx = y.topk(self.k, dim=-1).indices  # [T, k] the shortlist
-        fine = self.fine
+        top = y.topk(self.k, dim=-1)  # [T, k] the shortlist
+        fine, idx = self.fine, top.indices
         w = fine.qweight[idx].float()  # [T, k, in] the shortlist's int8 rows
         scores = torch.bmm(w, rows.float().unsqueeze(-1)).squeeze(-1) * fine.scales[idx].float()  # [T, k]
         if fine.bias is not None:
             scores = scores + fine.bias[idx].float()
-        return y.scatter_(1, idx, scores.to(y.dtype)).view(*x.shape[:-1], self.out_features)
+        return y, top, scores.to(y.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, top, scores = self.shortlist(x.reshape(-1, self.in_features))
+        return y.scatter_(1, top.indices, scores).view(*x.shape[:-1], self.out_features)
+
+    def argmax(self, x: torch.Tensor) -> list[int | None]:
+        "x [T, in] -> each row's arg-max token of `forward`'s scores (None: not finite), mostly without them."
+        y, top, scores = self.shortlist(x.reshape(-1, self.in_features))
+        s, edge = scores.float(), top.values.float().amin(-1)  # [T, k]; [T]: no token off the list beats it
+        best = s.amax(-1)  # [T]
+        tok = torch.where(s == best[:, None], top.indices, self.out_features).amin(-1)  # the first best
+        tokens: list[int | None] = tok.tolist()
+        decided = torch.isfinite(best) & torch.isfinite(edge) & (best > edge)
+        for r in (~decided).nonzero().flatten().tolist():  # a tie with the list's edge, or no finite score
+            full = y[r].scatter(0, top.indices[r], scores[r]).float()  # [V] `forward`'s row
+            b, t = full.max(-1)
+            tokens[r] = int(t) if torch.isfinite(b) else None
+        return tokens
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, shortlist {self.k} to int8"
@@ -943,6 +966,44 @@ int rmsnorm(int bf16, const void* x, const void* w, float eps, int rows, int n, 
   return 0;
 }
 
+// Rotary embeddings for T tokens: y [T, H, D] = x * cos + rotate_half(x) * sin (01's `apply_rotary`), each
+// product and the sum rounded to x's dtype as PyTorch rounds them (no fused multiply-add), so the same bits.
+// x: [T, H, D] with `stride` elements from one token to the next; cos, sin: [T, D].
+INLINE float rounded(int bf16, float f) { return bf16 ? to_bf16(f) : f; }
+
+INLINE void rotary_head(int bf16, const void* x, long o, int D, const void* c, const void* s, void* y) {
+  int h2 = D / 2;
+#pragma omp simd
+  for (int i = 0; i < h2; i++)  // the first half turns with -x2
+    put(y, bf16, o + i,
+        rounded(bf16, value(x, bf16, o + i) * value(c, bf16, i)) +
+            rounded(bf16, -value(x, bf16, o + i + h2) * value(s, bf16, i)));
+#pragma omp simd
+  for (int i = h2; i < D; i++)  // the second with x1
+    put(y, bf16, o + i,
+        rounded(bf16, value(x, bf16, o + i) * value(c, bf16, i)) +
+            rounded(bf16, value(x, bf16, o + i - h2) * value(s, bf16, i)));
+}
+
+__attribute__((optimize("fp-contract=off"), target_clones("avx512f", "avx2", "default")))
+static void rotary_token(int bf16, const void* x, int H, int D, const void* c, const void* s, void* y) {
+  for (int h = 0; h < H; h++)  // the dtype a constant in each loop: both vectorize
+    if (bf16)
+      rotary_head(1, x, (long)h * D, D, c, s, y);
+    else
+      rotary_head(0, x, (long)h * D, D, c, s, y);
+}
+
+int rotary(int bf16, const void* x, int T, int stride, int H, int D, const void* c, const void* s, void* y,
+           int threads) {
+  int e = bf16 ? 2 : 4;  // bytes an element
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= 8)
+  for (int t = 0; t < T; t++)
+    rotary_token(bf16, (const char*)x + (long)t * stride * e, H, D, (const char*)c + (long)t * D * e,
+                 (const char*)s + (long)t * D * e, (char*)y + (long)t * H * D * e);
+  return 0;
+}
+
 int norm_selftest(int isa) {  // rows of 1/8-steps (exact squares and sums), against the same steps in double
   enum { R = 9, N = 40 };
   static float x[R * N], w[N], y[R * N];
@@ -950,6 +1011,10 @@ int norm_selftest(int isa) {  // rows of 1/8-steps (exact squares and sums), aga
   for (int i = 0; i < N; i++) w[i] = (i % 5 + 1) / 4.f;
   for (int i = 0; i < R * N; i++) x[i] = ((i * 7) % 17 - 8) / 8.f;
   rmsnorm(0, x, w, 1e-6f, R, N, y, 2);
+  float c[4] = {0.5f, 0.25f, 0.5f, 0.25f}, s[4] = {0.75f, 1.f, 0.75f, 1.f}, z[8];
+  float q[8] = {1, 2, 3, 4, 5, 6, 7, 8};  // two heads: (1, 2, 3, 4) -> (1/2 - 9/4, 1/2 - 4, 3/2 + 3/4, 1 + 2)
+  rotary(0, q, 1, 8, 2, 4, c, s, z, 1);
+  if (z[0] != -1.75f || z[1] != -3.5f || z[2] != 2.25f || z[3] != 3.f || z[4] != -2.75f) return 1;
   for (int r = 0; r < R; r++) {
     double ss = 0;
     for (int i = 0; i < N; i++) ss += (double)x[r * N + i] * x[r * N + i];
@@ -968,7 +1033,10 @@ int norm_selftest(int isa) {  // rows of 1/8-steps (exact squares and sums), aga
 @functools.cache
 def norm_library() -> ctypes.CDLL | None:
     "Our compiled RMSNorm (built once per machine and source), or None where it cannot run."
-    return build_library("norm", NORM_C, {"c": (0, frozenset())}, "ippfiipi", entry="rmsnorm")
+    lib = build_library("norm", NORM_C, {"c": (0, frozenset())}, "ippfiipi", entry="rmsnorm")
+    if lib is not None:
+        declare(lib.rotary, "ipiiiipppi")
+    return lib
 
 
 class CRMSNorm(RMSNorm):
@@ -995,13 +1063,30 @@ class CRMSNorm(RMSNorm):
 
 
 def prepare_norms(model: nn.Module) -> int:
-    "Every `RMSNorm` of `model` as a `CRMSNorm` (where our C builds), in place; how many."
+    "Every `RMSNorm` of `model` as a `CRMSNorm`, and its rotary as `c_rotary` (where our C builds); how many."
     if norm_library() is None:
         return 0
     norms = [(p, n, c) for p in model.modules() for n, c in p.named_children() if type(c) is RMSNorm]
     for parent, name, norm in norms:
         setattr(parent, name, CRMSNorm.from_norm(norm))
-    return len(norms)
+    turns = [m for m in model.modules() if getattr(m, "rotary", None) is apply_rotary]
+    for m in turns:
+        m.rotary = c_rotary
+    return len(norms) + len(turns)
+
+
+def c_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    "01's `apply_rotary` in one C call (`NORM_C`): the same bits, float32 or bfloat16, on the CPU."
+    T, H, D = x.shape
+    lib, bf16 = norm_library(), x.dtype == torch.bfloat16
+    ours = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride()[1:] == (D, 1)
+    ours = ours and cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (T, 1, D) and D % 2 == 0
+    if lib is None or not ours or not (cos.is_contiguous() and sin.is_contiguous()):
+        return apply_rotary(x, cos, sin)
+    y = torch.empty(T, H, D, dtype=x.dtype)
+    c, s, threads = cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+    lib.rotary(bf16, x.data_ptr(), T, x.stride(0), H, D, c, s, y.data_ptr(), threads)
+    return y
 
 # %% ../nbs/01b_cpu_kernels.ipynb #d4c1e4e8
 Kernel = Callable[[nn.Linear], nn.Module]
@@ -1058,7 +1143,8 @@ def kernel_candidates(
     return ks
 
 # %% ../nbs/01b_cpu_kernels.ipynb #35033569
-TIME_ROWS = (1, 8, 32)  # rows per call timed: one user, a few, and a typical batch
+TIME_ROWS = (1, 8, 32, 256)  # rows per call timed: one user, a few, a typical batch and a prefill chunk
+HEAD_ROWS = TIME_ROWS[:3]  # the LM head computes only the rows sampled from: at most a batch
 
 
 def _seconds(m: nn.Module, x: torch.Tensor) -> float:
@@ -1089,7 +1175,7 @@ def time_kernels(
 Plan = list[tuple[int, str]]  # (from rows, kernel name), by rows: [(1, "int8"), (8, "int8/onednn")]
 
 
-PLAN_MARGIN = 1.1  # a second layout only for a kernel more than 10% faster at one row
+PLAN_MARGIN = 1.1  # a kernel takes over only where it is more than 10% faster
 
 
 def weight_bytes(m: nn.Module) -> int:
@@ -1097,22 +1183,37 @@ def weight_bytes(m: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
+def layout_of(m: nn.Module) -> int:
+    "Which copy of the weights `m` reads: its largest parameter's address (one layout, one address)."
+    p = max(m.parameters(), key=lambda p: p.numel(), default=m)
+    return p.data_ptr() if isinstance(p, torch.Tensor) and not p.is_mkldnn else id(p)  # oneDNN's: opaque
+
+
 def plan_of(
-    secs: dict[str, list[float]], rows=TIME_ROWS, two: bool = True, nbytes: dict[str, int] | None = None
+    secs: dict[str, list[float]],
+    rows=TIME_ROWS,
+    two: bool = True,
+    nbytes: dict[str, int] | None = None,
+    layouts: dict[str, object] | None = None,
 ) -> Plan:
-    "The winner at `rows[0]` (a tie: fewest `nbytes`), and, if `two`, `rows[-1]`'s from where it leads."
+    "The winner at `rows[0]` (a tie: fewest `nbytes`), then, if `two`, each larger count's in two `layouts`."
     if not two:
         return [(1, min(secs, key=lambda k: sum(secs[k])))]
+    layout = layouts or {k: k for k in secs}  # kernels of one layout read one copy of the weights
     fastest = min(secs, key=lambda k: secs[k][0])
     ties = [k for k in secs if secs[k][0] <= PLAN_MARGIN * secs[fastest][0]]  # near enough at one row
     if nbytes:  # of those, the ones that read the fewest bytes
         ties = [k for k in ties if nbytes[k] == min(nbytes[t] for t in ties)]
     many = min(secs, key=lambda k: secs[k][-1])
-    few = many if many in ties else min(ties, key=lambda k: secs[k][0])  # the batch's winner: one layout
-    if few == many:
-        return [(1, few)]
-    start = next((r for r, a, b in zip(rows[1:], secs[few][1:], secs[many][1:]) if b < a), rows[-1])
-    return [(1, few), (start, many)]
+    plan = [(1, many if many in ties else min(ties, key=lambda k: secs[k][0]))]  # the batch's: one layout
+    held = {layout[plan[0][1]]}
+    for i, r in zip(range(1, len(secs[many])), rows[1:]):
+        now = plan[-1][1]
+        best = min((k for k in secs if len(held | {layout[k]}) <= 2), key=lambda k: secs[k][i])
+        if PLAN_MARGIN * secs[best][i] < secs[now][i]:  # a clear lead, not the minute's noise
+            plan.append((r, best))
+            held.add(layout[best])
+    return plan
 
 
 def plan_name(plan: Plan) -> str:
@@ -1134,8 +1235,10 @@ def choose_kernel(
         mods = {name: make(lin) for name, make in kernels.items()}
     if len(kernels) == 1:
         return [(1, next(iter(kernels)))], {}, mods
-    secs = time_kernels(mods, lin.in_features, lin.weight.dtype)
-    return plan_of(secs, two=two, nbytes={name: weight_bytes(m) for name, m in mods.items()}), secs, mods
+    rows = HEAD_ROWS if head else TIME_ROWS
+    secs = time_kernels(mods, lin.in_features, lin.weight.dtype, rows)
+    sizes, layouts = {k: weight_bytes(m) for k, m in mods.items()}, {k: layout_of(m) for k, m in mods.items()}
+    return plan_of(secs, rows, two, sizes, layouts), secs, mods
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b8e3a95b
 TWO_LAYOUTS_SHARE = 0.25  # two layouts while the linear weights take at most this share of available memory
@@ -1209,7 +1312,7 @@ def kernels_of(layer: nn.Module) -> list[nn.Module]:
         type(layer) is RowBuckets or type(layer) is GreedyHead
     ):  # `GreedyHead`: a float32 head's arg-max, below
         return kernels_of(layer.inner)
-    return [layer.few, layer.many] if type(layer) is ByRows else [layer]
+    return [layer.few, *kernels_of(layer.many)] if type(layer) is ByRows else [layer]
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b8e168d6
 HEAD_C = (
@@ -1388,9 +1491,9 @@ class GreedyHead(nn.Module):
 def _greedy_start(head: nn.Module, greedy: GreedyHead) -> tuple[int | None, dict[str, list[float]]]:
     "The smallest timed row count from which `greedy`'s arg-max beats the logits' at every larger one."
     fns = {"logits": lambda x: head(x).float().max(-1), "greedy": greedy.argmax}
-    secs = time_kernels(fns, head.in_features, torch.float32)
+    secs = time_kernels(fns, head.in_features, torch.float32, HEAD_ROWS)
     start = None
-    for rows, full, short in reversed(list(zip(TIME_ROWS, secs["logits"], secs["greedy"]))):
+    for rows, full, short in reversed(list(zip(HEAD_ROWS, secs["logits"], secs["greedy"]))):
         if short >= full:
             break
         start = rows
@@ -1477,7 +1580,7 @@ class KernelReport:
         return f"minivllm: linear kernels (cpu, {mode}): {shapes} ({cost})"
 
 # %% ../nbs/01b_cpu_kernels.ipynb #5e02c49f
-PLANS_VERSION = 1  # what a kept plan means; plans kept by another version are measured anew
+PLANS_VERSION = 2  # what a kept plan means; plans kept by another version are measured anew
 
 
 def machine_key() -> str:
@@ -1530,11 +1633,11 @@ class PlanCache:
         self.plans[key] = {"plan": plan, "seconds": secs, "measured": when}
         if not self.writable:  # said once: kept for this start only
             return
-        self.plans = self._on_disk() | self.plans  # what another process kept meanwhile stays
+        plans = self._on_disk() | self.plans  # what another process kept meanwhile stays, for the next start
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"cpu": cpuinfo().get("model name"), "plans": self.plans}, indent=1))
+            tmp.write_text(json.dumps({"cpu": cpuinfo().get("model name"), "plans": plans}, indent=1))
             os.replace(tmp, self.path)
         except OSError as e:
             self.writable = False
@@ -1542,12 +1645,10 @@ class PlanCache:
 
 # %% ../nbs/01b_cpu_kernels.ipynb #8c8d8daf
 def _build(plan: Plan, mods: dict[str, nn.Module], dtype: torch.dtype) -> nn.Module:
-    "The layer `mods` hold in each kernel as the plan says (one, or a `ByRows` of two); oneDNN's bucketed."
-    if len(plan) == 1:
-        layer = mods[plan[0][1]]
-    else:
-        (_, few), (rows, many) = plan
-        layer = ByRows(mods[few], mods[many], rows)
+    "The layer `mods` hold in each kernel as the plan says (one, or `ByRows` in a chain); oneDNN's bucketed."
+    layer = mods[plan[-1][1]]
+    for (_, few), (rows, _) in reversed(list(itertools.pairwise(plan))):  # the largest counts' innermost
+        layer = ByRows(mods[few], layer, rows)
     return RowBuckets(layer) if any(builds_per_shape(name, dtype) for _, name in plan) else layer
 
 

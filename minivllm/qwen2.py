@@ -274,6 +274,7 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=True)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # q, k and v in one product, once `merge_projections` ran
+        self.rotary = apply_rotary  # how q and k turn (01b's CPU path swaps in one C call of the same sums)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         "q, k and v of `x` [T, hidden] side by side: [T, (Hq + 2 Hkv) D]."
@@ -285,7 +286,7 @@ class Qwen2Attention(nn.Module):
         T = x.shape[0]
         qkv = self.project(x).view(T, self.hq + 2 * self.hkv, self.d)  # [T, Hq + 2 Hkv, D]: heads of q, k, v
         # q and k rotated in one call, once, before caching: cached keys keep their positions
-        qk = apply_rotary(qkv[:, : self.hq + self.hkv], cos, sin)  # [T, Hq + Hkv, D]
+        qk = self.rotary(qkv[:, : self.hq + self.hkv], cos, sin)  # [T, Hq + Hkv, D]
         q, k, v = qk[:, : self.hq], qk[:, self.hq :], qkv[:, self.hq + self.hkv :]  # views, no copies
         o = meta.attend(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.hq * self.d))  # [T, hidden]
@@ -1148,7 +1149,7 @@ def load_model(
         raise ValueError(f"quantization {quantization!r} runs on the CPU only")
     if on_cpu and (pack is not False or quantization is not None):
         prepare_linears(m, quantization, pack, kept=PlanCache.here())  # plans measured here before: kept
-        prepare_norms(m)  # RMSNorm in one C call
+        prepare_norms(m)  # RMSNorm and rotary in one C call each
     elif pack:
         pack_linears(m)  # off the CPU: refused, with the reason
     return m, tok

@@ -245,6 +245,59 @@ def test_shortlist_head_small_vocabulary():
         assert rel(head(x), Int8Linear.from_linear(lin)(x)) <= 1e-5  # every token scored by int8
 
 
+def forward_argmax(head, x):
+    "What the sampler takes from `head`'s full scores: each row's first best token, None where not finite."
+    best, tok = head(x).float().max(-1)
+    return [int(t) if torch.isfinite(b) else None for b, t in zip(best, tok)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_shortlist_heads_argmax_is_its_scores_argmax(dtype, bias):
+    torch.manual_seed(3)
+    lin = nn.Linear(96, 1024, bias=bias).to(dtype)
+    with torch.no_grad():
+        lin.weight[700] = lin.weight[300]  # two tokens that always tie: the first one wins, as `max` has it
+        if bias:
+            lin.bias[700] = lin.bias[300]
+    head = ck.ShortlistHead.from_linear(lin, k=8)
+    x = torch.randn(40, 96, dtype=dtype)
+    x[5] = lin.weight[300].detach() * 3  # a row whose best is the tied pair
+    with torch.no_grad():
+        got, want = head.argmax(x), forward_argmax(head, x)
+        assert got == want and got[5] == 300
+        x[7, 3] = float("nan")  # a row without finite scores: None, as the sampler says
+        assert head.argmax(x)[7] is None and forward_argmax(head, x)[7] is None
+        head.fine.scales.mul_(1e-3)  # int8's scores far below int4's: every row falls back to the whole row
+        assert head.argmax(x[:6]) == forward_argmax(head, x[:6])
+
+
+def test_the_engine_takes_greedy_tokens_from_the_shortlist_heads_argmax(tiny_folder, monkeypatch):
+    from minivllm.engine import LLMEngine, SamplingParams
+    from minivllm.qwen2 import Tokenizer
+
+    # the shortlist alone for the head (a vocabulary the int4 kernel takes: 272 = 17 x 16)
+    fake = {name: [1.0] * 4 if name.endswith("+int8") else [9.0] * 4 for name in ("int8", "int8/bf16", "int8/onednn")}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: fake.get(n, [1.0] * 4) for n in mods})
+    m = tiny(dtype=torch.bfloat16, vocab_size=272, tie_word_embeddings=False)
+    prepare_linears(m, "int4")
+    assert type(m.lm_head) is ck.ShortlistHead
+    eng = LLMEngine(m, Tokenizer.from_folder(tiny_folder), kv_cache_memory=2**24)
+    assert eng.runner.argmax == m.lm_head.argmax
+
+    def run() -> list[list[int]]:
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        ids = [eng.add_request({"prompt_token_ids": p}, greedy) for p in ([3, 14, 15, 92], [65, 35])]
+        done = {}
+        while eng.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished}
+        return [done[i] for i in ids]
+
+    fast = run()
+    eng.runner.argmax = None  # the sampler over the whole scores instead
+    assert run() == fast and len(fast[0]) == 12
+
+
 @pytest.mark.parametrize("one_row", [0.1, 1.05])  # faster at one row, or a tie there that reads fewer bytes
 def test_prepared_model_runs_the_shortlist_head_at_one_row(monkeypatch, one_row):
     # the head's plan forced: the shortlist at one row, int8 from 8 rows
@@ -616,6 +669,28 @@ def test_two_layouts_by_rows():
     assert not any(type(x) is ck.ByRows for x in m2.modules()) and "then" not in report.line
 
 
+def test_a_plan_of_three_kernels_is_a_chain_of_two_layouts(monkeypatch):
+    torch.manual_seed(0)
+    lin = tiny().model.layers[0].mlp.up_proj
+    x = torch.randn(40, 64)
+    mods = {"mkl": lin, "int8": ck.Int8Linear.from_linear(lin)}
+    layer = ck._build([(1, "mkl"), (8, "int8"), (32, "mkl")], mods, torch.float32)
+    assert type(layer) is ck.ByRows and type(layer.many) is ck.ByRows and layer.many.many is lin
+    assert ck.kernels_of(layer) == [lin, mods["int8"], lin]
+    assert [n for n, _ in layer.named_parameters()] == ["few.weight"]  # the int8 layout: held outside
+    with torch.no_grad():
+        for rows, used in ((1, lin), (7, lin), (8, mods["int8"]), (31, mods["int8"]), (32, lin), (40, lin)):
+            assert torch.equal(layer(x[:rows]), used(x[:rows]))
+    # int8 and int8/bf16 read one copy of the int8 weights; int8/onednn its own: a plan of four kernels, two layouts
+    secs = {"int8": [1.0, 9.0, 9.0, 9.0], "int8/bf16": [3.0, 1.0, 9.0, 1.0], "int8/onednn": [5.0, 5.0, 1.0, 5.0]}
+    monkeypatch.setattr(ck, "time_kernels", lambda mods, *a, **k: {n: secs[n] for n in mods})
+    plan, _, got = ck.choose_kernel(nn.Linear(64, 48), "int8")
+    if "int8/onednn" in got:
+        assert plan == [(1, "int8"), (8, "int8/bf16"), (32, "int8/onednn"), (256, "int8/bf16")]
+    assert ck.layout_of(got["int8"]) == ck.layout_of(got["int8/bf16"])
+    assert ck.plan_of(secs) == [(1, "int8"), (8, "int8/bf16")]  # each its own layout: no third
+
+
 # ----------------------------------------------------------------------------------------------------------
 # whole models
 
@@ -960,6 +1035,13 @@ def test_load_model_keeps_its_plans_and_retime_measures_anew(tiny_folder, monkey
     monkeypatch.setenv("MINIVLLM_RETIME", "1")
     with pytest.raises(AssertionError, match="timed although"):
         load_model(tiny_folder, "float32", "cpu")
+    monkeypatch.undo()  # the real timing again: with MINIVLLM_RETIME every shape is measured, none read back
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("MINIVLLM_RETIME", "1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        load_model(tiny_folder, "float32", "cpu")
+    assert "linear kernels" in caplog.text and "earlier start" not in caplog.text
 
 
 @needs_head
@@ -1002,7 +1084,7 @@ def test_our_int4_kernels_of_one_layer_share_its_layout():
 # ----------------------------------------------------------------------------------------------------------
 # RMSNorm in C
 
-from minivllm.qwen2 import RMSNorm  # noqa: E402
+from minivllm.qwen2 import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
 
 needs_norm = pytest.mark.skipif(ck.norm_library() is None, reason="no C compiler for our RMSNorm")
 
@@ -1040,16 +1122,43 @@ def test_c_rmsnorm_hands_other_inputs_to_pytorch():
 
 
 @needs_norm
-def test_prepare_norms_swaps_every_norm_and_the_model_agrees(tiny_folder):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7, 9, 300])  # one token, below and above the threaded count
+def test_c_rotary_gives_pytorchs_bits(dtype, T):
+    torch.manual_seed(T)
+    qkv = (torch.randn(T, 6, 32) * 8).to(dtype)  # 2 q heads, 2 k, 2 v of 32
+    cos, sin = RotaryEmbedding(32, 10000.0)(torch.randint(0, 40000, (T,)), dtype)
+    x = qkv[:, :4]  # q and k: a view with the product's row stride
+    got = ck.c_rotary(x, cos, sin)
+    assert got.dtype == dtype and got.shape == (T, 4, 32) and torch.equal(got, apply_rotary(x, cos, sin))
+    assert torch.equal(qkv[:, :4], x)  # the input untouched
+
+
+@needs_norm
+def test_c_rotary_hands_other_inputs_to_pytorch():
+    x, (cos, sin) = torch.randn(3, 4, 16), RotaryEmbedding(16, 10000.0)(torch.arange(3), torch.float32)
+    odd = torch.randn(3, 16, 4).transpose(1, 2)  # heads not 16 apart: PyTorch's
+    assert torch.equal(ck.c_rotary(odd, cos, sin), apply_rotary(odd, cos, sin))
+    half = x.half()  # float16: PyTorch's
+    assert torch.equal(ck.c_rotary(half, cos.half(), sin.half()), apply_rotary(half, cos.half(), sin.half()))
+    assert torch.equal(ck.c_rotary(x, cos.bfloat16(), sin.bfloat16()), apply_rotary(x, cos.bfloat16(), sin.bfloat16()))
+    assert ck.c_rotary(torch.randn(0, 4, 16), cos[:0], sin[:0]).shape == (0, 4, 16)
+
+
+@needs_norm
+def test_prepare_norms_swaps_every_norm_and_rotary_and_the_model_agrees(tiny_folder):
     plain, _ = load_model(tiny_folder, "float32", "cpu", pack=False)  # the exact path: PyTorch's norms
     assert not any(type(m) is ck.CRMSNorm for m in plain.modules())
     m = tiny()
     ref = logits(m, IDS)
-    assert ck.prepare_norms(m) == 2 * 2 + 1  # two per layer, and the final norm
+    assert ck.prepare_norms(m) == 2 * 2 + 1 + 2  # two per layer and the final norm; each layer's rotary
     assert all(type(n) is not RMSNorm for n in m.modules())
+    assert all(layer.self_attn.rotary is ck.c_rotary for layer in m.model.layers)
     assert rel(logits(m, IDS), ref) <= 1e-5
     prepared, _ = load_model(tiny_folder, "float32", "cpu")  # the measured path: ours
     assert sum(type(n) is ck.CRMSNorm for n in prepared.modules()) == 5
+    assert [layer.self_attn.rotary for layer in plain.model.layers] == [apply_rotary] * 2
+    assert [layer.self_attn.rotary for layer in prepared.model.layers] == [ck.c_rotary] * 2
 
 
 def test_prepare_norms_without_a_compiler_keeps_pytorchs(monkeypatch, tmp_path):
@@ -1059,5 +1168,6 @@ def test_prepare_norms_without_a_compiler_keeps_pytorchs(monkeypatch, tmp_path):
     try:
         m = tiny()
         assert ck.prepare_norms(m) == 0 and not any(type(n) is ck.CRMSNorm for n in m.modules())
+        assert m.model.layers[0].self_attn.rotary is apply_rotary
     finally:
         ck.norm_library.cache_clear()
