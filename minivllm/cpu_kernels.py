@@ -1558,7 +1558,7 @@ class KernelReport:
     dtype: torch.dtype
     quantization: str | None
     choices: dict[str, str] = field(default_factory=dict)  # "outxin" -> kernel
-    # "outxin" -> kernel -> seconds at each of TIME_ROWS
+    # "outxin" -> kernel -> seconds at each timed row count (TIME_ROWS; the head's HEAD_ROWS)
     timings: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     seconds_timing: float = 0.0  # spent building and timing the candidates (first layer of each shape)
     seconds_building: float = 0.0  # spent quantizing / reordering the other layers
