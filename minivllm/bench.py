@@ -29,16 +29,18 @@ from fastcore.basics import patch
 
 from .cpu_kernels import cpuinfo
 from .engine import EngineArgs, LLMEngine, SamplingParams
-from .qwen2 import Qwen2ForCausalLM, Tokenizer, assemble_bundled_gguf, load_model, resolve_model
+from .qwen2 import Qwen2Config, Qwen2ForCausalLM, Tokenizer
+from .qwen2 import assemble_bundled_gguf, load_model, resolve_model
 
 # %% auto #0
 __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
-           'results_dir', 'load_result', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'offline_benchmark',
-           'print_table', 'decode_profile', 'memory_bandwidth', 'decode_bytes_per_step', 'serve_benchmark',
-           'serving_metrics', 'print_serving', 'server_process', 'bench_prompts', 'compare_servers', 'Mode',
-           'parse_mode', 'Clock', 'kernel_info', 'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd',
-           'ours_server_cmd', 'engine_flags', 'ServerRun', 'serve_runs', 'one_user_pairs', 'cpu_summary',
-           'print_cpu_summary', 'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
+           'results_dir', 'load_result', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'row_flops',
+           'work_ratio', 'offline_benchmark', 'print_table', 'decode_profile', 'memory_bandwidth',
+           'decode_bytes_per_step', 'serve_benchmark', 'serving_metrics', 'print_serving', 'server_process',
+           'bench_prompts', 'compare_servers', 'Mode', 'parse_mode', 'Clock', 'kernel_info', 'captured_logs',
+           'prefix_share', 'offline_modes', 'llama_server_cmd', 'ours_server_cmd', 'engine_flags', 'ServerRun',
+           'serve_runs', 'one_user_pairs', 'cpu_summary', 'print_cpu_summary', 'shared_prefix_benchmark',
+           'long_prompt_benchmark', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #ac1e0a3a
 CPU_FLAGS = (
@@ -147,7 +149,7 @@ def run_ours(
     model: Qwen2ForCausalLM, tokenizer: Tokenizer, requests: list[BenchRequest], concurrency: int, **engine_kw
 ) -> dict:
     "Time our engine on the requests with at most `concurrency` running; returns seconds, tokens and checks."
-    eng = LLMEngine(model, tokenizer, max_num_seqs=concurrency, **engine_kw)
+    eng = LLMEngine(model, tokenizer, max_num_seqs=concurrency, log_steps=True, **engine_kw)
     ids = []
     for r in requests:
         sp = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -167,6 +169,8 @@ def run_ours(
         "tok_per_s": got / dt,
         "steps": eng.num_steps,
         "preemptions": eng.stats().num_preemptions,
+        "rows": sum(s.prefill_tokens + s.decode_seqs for s in eng.step_log),  # tokens through the layers
+        "head_rows": got,  # one row of logits (or arg-max) per token sampled
         "outputs": [done[i] for i in ids],
     }
 
@@ -183,7 +187,7 @@ def _left_padded(batch: list[BenchRequest], pad_id: int, device) -> tuple[torch.
 def run_hf(hf_model, requests: list[BenchRequest], concurrency: int, pad_id: int) -> dict:
     "Time transformers' generate over batches of `concurrency`, left-padded, greedy, no EOS."
     dev = next(hf_model.parameters()).device
-    outputs, t0 = [], time.perf_counter()
+    outputs, t0, rows, head_rows = [], time.perf_counter(), 0, 0
     for s in range(0, len(requests), concurrency):
         batch = requests[s : s + concurrency]
         ids, mask = _left_padded(batch, pad_id, dev)
@@ -194,13 +198,30 @@ def run_hf(hf_model, requests: list[BenchRequest], concurrency: int, pad_id: int
                 repetition_penalty=1.0, pad_token_id=pad_id, eos_token_id=None,
             )  # fmt: skip
         outputs += [out[i, L : L + r.max_tokens].tolist() for i, r in enumerate(batch)]
+        rows += len(batch) * (L + new - 1)  # every row of the padded batch, at every step
+        head_rows += len(batch) * new  # logits of the last position only, at every step
     dt = time.perf_counter() - t0
     tokens = sum(r.max_tokens for r in requests)
-    return {"seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt, "outputs": outputs}
+    return {"seconds": dt, "tokens": tokens, "tok_per_s": tokens / dt, "outputs": outputs, "rows": rows,
+            "head_rows": head_rows}  # fmt: skip
 
 # %% ../nbs/06_benchmarks.ipynb #98298b27
-def _offline_row(c: int, reqs: list[BenchRequest], ours: dict, hf: dict, dtype: torch.dtype) -> dict:
-    "One row of `offline_benchmark`: concurrency `c`, both engines' throughput and their agreement."
+def row_flops(cfg: Qwen2Config) -> tuple[int, int]:
+    "FLOPs of one token through the decoder layers' products, and through the LM head (attention left out)."
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size  # q and o; k and v; gate, up and down
+    return 2 * cfg.num_hidden_layers * layer, 2 * cfg.vocab_size * h
+
+
+def work_ratio(cfg: Qwen2Config, ours: dict, hf: dict) -> float:
+    "transformers' FLOPs in products over ours, for the same requests: `x HF` were both products as fast."
+    layers, head = row_flops(cfg)
+    flops = [r["rows"] * layers + r["head_rows"] * head for r in (hf, ours)]
+    return flops[0] / flops[1]
+
+
+def _offline_row(c: int, reqs: list[BenchRequest], ours: dict, hf: dict, model: Qwen2ForCausalLM) -> dict:
+    "One row of `offline_benchmark`: concurrency `c`, both engines' throughput, their work and agreement."
     n = len(reqs)
     return {
         "concurrency": c,
@@ -214,7 +235,12 @@ def _offline_row(c: int, reqs: list[BenchRequest], ours: dict, hf: dict, dtype: 
         "identical": sum(a == b for a, b in zip(ours["outputs"], hf["outputs"])),
         "ours_steps": ours["steps"],
         "hf_steps": sum(max(r.max_tokens for r in reqs[i : i + c]) for i in range(0, n, c)),
-        "dtype": str(dtype).replace("torch.", ""),
+        "ours_rows": ours["rows"],
+        "hf_rows": hf["rows"],
+        "ours_head_rows": ours["head_rows"],
+        "hf_head_rows": hf["head_rows"],
+        "work": work_ratio(model.config, ours, hf),
+        "dtype": str(model.model.norm.weight.dtype).replace("torch.", ""),
     }
 
 
@@ -230,7 +256,7 @@ def offline_benchmark(
         reqs = make_requests(tokenizer, n, seed, min_tokens, max_tokens)
         ours = run_ours(model, tokenizer, reqs, c, **engine_kw)
         hf = run_hf(hf_model, reqs, c, pad)
-        rows.append(_offline_row(c, reqs, ours, hf, next(model.parameters()).dtype))
+        rows.append(_offline_row(c, reqs, ours, hf, model))
     return rows
 
 # %% ../nbs/06_benchmarks.ipynb #76d82d28
@@ -771,7 +797,7 @@ def _offline_mode(
     run_ours(m, tok, _warmup(reqs), 1, **engine_kw)
     for c, rs in reqs.items():
         ours = run_ours(m, tok, rs, c, **engine_kw)
-        row = _offline_row(c, rs, ours, hf[c], m.model.norm.weight.dtype)
+        row = _offline_row(c, rs, ours, hf[c], m)
         row.update(mode=rec["mode"], quantization=rec["quantization"])
         if c in ref:
             row["same_as_float32"] = sum(a == b for a, b in zip(ours["outputs"], ref[c]))
@@ -983,7 +1009,8 @@ def cpu_summary(res: dict) -> list[dict]:
                 "ours_tok_s": o.get("ours_tok_s"),
                 "hf_tok_s": o.get("hf_tok_s"),
             }
-            row.update(vs_hf=o.get("speedup"), identical=o.get("identical"), requests=o.get("requests"))
+            row.update(vs_hf=o.get("speedup"), work=o.get("work"), identical=o.get("identical"))
+            row.update(requests=o.get("requests"))
             row.update(served_tok_s=s.get("output_throughput"), llama_tok_s=ll.get("output_throughput"))
             row.update(llama_slots=ll.get("slots"), same_as_float32=o.get("float32_prefix_share"))
             both = s and ll
@@ -1000,15 +1027,16 @@ def _fmt(v, spec: str, width: int) -> str:
 
 def print_cpu_summary(res: dict) -> None:
     "The side-by-side table of `cpu_summary`, tokens/s and ratios."
-    head = ("mode", "c", "ours", "HF", "x HF", "identical", "as f32", "served", "llama", "-np", "x llama")
-    head += ("paired",)  # one user, side by side
-    widths = (15, 4, 8, 8, 7, 10, 7, 8, 8, 4, 8, 8)
+    head = ("mode", "c", "ours", "HF", "x HF", "work", "identical", "as f32", "served", "llama", "-np")
+    head += ("x llama", "paired")  # paired: one user, side by side
+    widths = (15, 4, 8, 8, 7, 7, 10, 7, 8, 8, 4, 8, 8)
     print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(head, widths))))
     for r in cpu_summary(res):
         same = None if r["identical"] is None else f"{r['identical']}/{r['requests']}"
         cells = [
             _fmt(r["concurrency"], "d", 4), _fmt(r["ours_tok_s"], ".1f", 8), _fmt(r["hf_tok_s"], ".1f", 8),
-            _fmt(r["vs_hf"], ".2f", 6) + ("x" if r["vs_hf"] else " "), _fmt(same, "", 10),
+            _fmt(r["vs_hf"], ".2f", 6) + ("x" if r["vs_hf"] else " "),
+            _fmt(r["work"], ".2f", 6) + ("x" if r["work"] else " "), _fmt(same, "", 10),
             _fmt(r["same_as_float32"], ".2f", 7), _fmt(r["served_tok_s"], ".1f", 8),
             _fmt(r["llama_tok_s"], ".1f", 8), _fmt(r["llama_slots"], "d", 4),
             _fmt(r["vs_llama"], ".2f", 7) + ("x" if r["vs_llama"] else " "),

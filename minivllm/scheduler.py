@@ -192,6 +192,7 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     forks: list[Sequence] = field(default_factory=list)  # siblings to fork off once the prompt is computed
+    prompt_hashes: list[int] | None = field(default=None, repr=False)  # its full prompt blocks' (`_admit`)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -343,16 +344,62 @@ def add(self: Scheduler, seq: Sequence) -> None:
         )
     self.waiting.append(seq)
 
+# %% ../nbs/03_scheduler.ipynb #635e8fbf
+@patch
+def _prompt_hashes(self: Scheduler, seq: Sequence) -> list[int]:
+    "The chain hashes of `seq`'s full prompt blocks, as the block manager publishes them (computed once)."
+    if seq.prompt_hashes is None:
+        bm, ids = self.block_manager, seq.prompt_token_ids
+        seq.prompt_hashes, parent = [], None
+        for i in range(len(ids) // bm.block_size):
+            parent = bm.chain_hash(parent, tuple(ids[i * bm.block_size : (i + 1) * bm.block_size]))
+            seq.prompt_hashes.append(parent)
+    return seq.prompt_hashes
+
+
+@patch
+def _uncomputed_hashes(self: Scheduler, seq: Sequence) -> set[int]:
+    "The hashes of the full prompt blocks `seq` has yet to compute (none without prefix caching)."
+    if not self.block_manager.enable_prefix_caching or seq.num_computed >= seq.num_prompt_tokens:
+        return set()
+    return set(self._prompt_hashes(seq)[seq.num_computed // self.block_manager.block_size :])
+
+
+@patch
+def _in_flight(self: Scheduler) -> set[int]:
+    "The prompt blocks running sequences are computing: published to the prefix cache once they are done."
+    return set().union(*(self._uncomputed_hashes(s) for s in self.running))
+
+
+@patch
+def _waits_for_prefix(self: Scheduler, seq: Sequence, in_flight: set[int]) -> bool:
+    "Whether `seq`'s first uncached full prompt block is `in_flight`: then it waits a step to share it."
+    if not in_flight:
+        return False
+    bm = self.block_manager
+    for h in self._prompt_hashes(seq)[: (seq.num_prompt_tokens - 1) // bm.block_size]:  # as `allocate_prefix`
+        if h in in_flight:
+            return True
+        if h not in bm.cached:
+            return False
+    return False
+
+
 # %% ../nbs/03_scheduler.ipynb #d604ed48
 @patch
 def _admit(self: Scheduler, budget: int, chunk: bool, items: list[tuple[Sequence, int]]) -> None:
     "Admit waiting sequences in order while budget, cap and memory (with headroom) allow; appends to `items`."
     bm, cap = self.block_manager, self.config.max_num_seqs
-    while self.waiting and budget > 0:
-        seq = self.waiting[0]
+    in_flight = self._in_flight()
+    i = 0  # the next waiting sequence to look at: those before it wait for a prefix being computed
+    while i < len(self.waiting) and budget > 0:
+        seq = self.waiting[i]
         if len(self.running) + 1 + len(seq.forks) > cap:
             break
         fresh = seq.num_computed == 0 and not seq.block_table.blocks  # nothing held yet: look the prefix up
+        if fresh and self._waits_for_prefix(seq, in_flight):
+            i += 1
+            continue
         if fresh:
             seq.num_computed = bm.allocate_prefix(seq.block_table, seq.token_ids)
         n = seq.num_tokens - seq.num_computed
@@ -365,12 +412,13 @@ def _admit(self: Scheduler, budget: int, chunk: bool, items: list[tuple[Sequence
             break
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed
-        self.waiting.popleft()
+        del self.waiting[i]
         bm.append(seq.block_table, n)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         items.append((seq, n))
         budget -= n
+        in_flight |= self._uncomputed_hashes(seq)
 
 # %% ../nbs/03_scheduler.ipynb #9fae93f0
 @patch

@@ -368,6 +368,51 @@ def test_prefix_cache_hits_skip_computed_blocks():
     assert bm.prefix_hits == 8
 
 
+def step(sched):
+    "One scheduled step with a fake model: every sequence that samples gets token 1; (request, new tokens) pairs."
+    batch = sched.schedule()
+    sched.update(batch, [(s, 1) for s in batch.sampling])
+    return sorted((s.request_id, n) for s, n in batch.items)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_requests_sharing_a_prefix_that_arrive_together_compute_it_once(chunked):
+    sched, bm = make(num_blocks=32, block_size=4, chunked=chunked, budget=64, max_model_len=64, prefix=True)
+    a, b, c = (Sequence(r, list(range(8)) + [50 + i] * (2 + i), SamplingParams(max_tokens=2), bm.new_table())
+               for i, r in enumerate("abc"))  # the same 2 full blocks, then 2, 3 and 4 tokens of their own
+    other = seq(bm, 6, "other", base=300, max_tokens=2)  # shares nothing: not held up behind b and c
+    for s in (a, b, c, other): sched.add(s)
+    assert step(sched) == [("a", 10), ("other", 6)]   # b and c wait for the blocks a is computing
+    assert list(sched.waiting) == [b, c]
+    prefix_blocks = a.block_table.blocks[:2]
+    batch_two = step(sched)                          # a's blocks are published: b and c find 8 tokens cached
+    assert ("b", 3) in batch_two and ("c", 4) in batch_two
+    assert b.num_cached_tokens == c.num_cached_tokens == 8 and bm.prefix_hits == 16
+    assert b.block_table.blocks[:2] == c.block_table.blocks[:2] == prefix_blocks  # one copy of the prefix's K/V
+    while sched.has_unfinished: step(sched)
+    assert [s.output_token_ids for s in (a, b, c, other)] == [[1, 1]] * 4
+    assert bm.num_free_blocks == 32
+
+
+def test_a_long_shared_prefix_is_waited_for_across_chunks():
+    "The first request's prefix takes three chunks: the second waits for all of it, then computes its tail only."
+    sched, bm = make(num_blocks=32, block_size=4, chunked=True, budget=8, max_model_len=64, prefix=True)
+    a, b = (Sequence(r, list(range(20)) + [t], SamplingParams(max_tokens=1), bm.new_table())
+            for r, t in (("a", 90), ("b", 91)))
+    sched.add(a); sched.add(b)
+    assert step(sched) == [("a", 8)] and step(sched) == [("a", 8)]  # b waits; the budget is a's
+    assert step(sched) == [("a", 5)]
+    assert step(sched) == [("b", 1)] and b.num_cached_tokens == 20  # 5 blocks shared, 1 token of its own
+    assert not sched.has_unfinished and bm.num_free_blocks == 32
+
+
+def test_without_prefix_caching_nobody_waits():
+    sched, bm = make(num_blocks=32, block_size=4, chunked=True, budget=64, max_model_len=64, prefix=False)
+    a, b = seq(bm, 10, "a"), seq(bm, 10, "b")
+    sched.add(a); sched.add(b)
+    assert step(sched) == [("a", 10), ("b", 10)]
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_pool_smaller_than_max_model_len(chunked):
     "Either the configuration is refused up front, or the request is refused by add(), or it finishes."
