@@ -42,6 +42,14 @@ def stats(self):
     return orig_stats(self)
 engine.LLMEngine.stats = stats
 """
+SLOW_STEPS = """
+import time
+orig_step = engine.LLMEngine.step
+def step(self):
+    time.sleep(0.01)  # 480 steps take 5 s or more, whatever the CPU: streams still run when the drain ends
+    return orig_step(self)
+engine.LLMEngine.step = step
+"""
 NAN_LOGITS = MARK + """
 orig_hidden = engine.ModelRunner.sample_hidden  # before the head: the logits, or a greedy head's arg-max
 def sample_hidden(self, batch):
@@ -390,7 +398,7 @@ def test_a_body_that_is_not_json_gets_415(serve):
 # --- shutdown ----------------------------------------------------------------------------------------------
 def test_sigterm_with_16_streams_in_flight(serve):
     "Draining: health 503, new requests 503, short requests finish, long streams end with an error event + [DONE]."
-    srv = serve("--shutdown-timeout", "2")
+    srv = serve("--shutdown-timeout", "2", patch=SLOW_STEPS)
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
@@ -418,7 +426,7 @@ def test_sigterm_with_16_streams_in_flight(serve):
 
 
 def test_a_second_signal_exits_at_once(serve):
-    srv = serve("--shutdown-timeout", "60")
+    srv = serve("--shutdown-timeout", "60", patch=SLOW_STEPS)  # the stream must outlast the first signal
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
