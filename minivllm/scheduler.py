@@ -389,6 +389,8 @@ def _waits_for_prefix(self: Scheduler, seq: Sequence, in_flight: set[int]) -> bo
 @patch
 def _admit(self: Scheduler, budget: int, chunk: bool, items: list[tuple[Sequence, int]]) -> None:
     "Admit waiting sequences in order while budget, cap and memory (with headroom) allow; appends to `items`."
+    if not self.waiting:  # most steps: nothing to admit, so no prefixes in flight to collect
+        return
     bm, cap = self.block_manager, self.config.max_num_seqs
     in_flight = self._in_flight()
     i = 0  # the next waiting sequence to look at: those before it wait for a prefix being computed
