@@ -8,16 +8,27 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import importlib.util
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .paged_cache import BlockManager, KVCache, PagedBatch, num_kv_blocks_for
+from minivllm.paged_cache import (
+    BlockManager,
+    CDecode,
+    DecodeAttention,
+    KVCache,
+    PagedBatch,
+    default_decoder,
+    num_kv_blocks_for,
+    to_device,
+)
 from .qwen2 import Qwen2ForCausalLM, Tokenizer, load_model
 from .structured import GrammarState, StructuredOutputs, apply_grammar_masks
 from minivllm.scheduler import (
@@ -29,11 +40,15 @@ from minivllm.scheduler import (
     Sequence,
 )
 
+if TYPE_CHECKING:  # imported where graphs are built: it imports triton
+    from minivllm.cuda_graphs import DecodeGraphs
+
+
 # %% auto #0
-__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob', 'apply_penalties',
-           'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'detokenize_incrementally', 'CompletionOutput',
-           'RequestMetrics', 'RequestOutput', 'FlatBatch', 'ModelRunner', 'EngineStats', 'StepRecord', 'LLMEngine',
-           'release_free_memory', 'LLM', 'main']
+__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob',
+           'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'detokenize_incrementally',
+           'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch', 'ModelRunner', 'make_decoder',
+           'uses_cuda_graphs', 'EngineStats', 'StepRecord', 'LLMEngine', 'release_free_memory', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -100,6 +115,12 @@ class EngineArgs:
     quantization: str | None = _opt(
         None, "weight-only quantization of the linear layers at load: int8 or int4 (default: none)"
     )
+    attention_backend: str = _opt(
+        "auto",
+        "decode attention: torch (the reference), c (CPU kernel), triton (CUDA kernel) or auto: triton on "
+        "CUDA, c on CPUs where it builds, else torch",
+    )
+    enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs (CUDA with triton only)")
     seed: int = _opt(0, "seed of the sampler for requests without one")
     log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
 
@@ -408,8 +429,16 @@ class FlatBatch:
 class ModelRunner:
     "Runs one scheduled batch through the model over the paged cache."
 
-    def __init__(self, model: Qwen2ForCausalLM, cache: KVCache, block_manager: BlockManager):
+    def __init__(
+        self,
+        model: Qwen2ForCausalLM,
+        cache: KVCache,
+        block_manager: BlockManager,
+        decoder: DecodeAttention | None = None,  # how decode rows attend; None: `default_decoder(cache)`
+        graphs: DecodeGraphs | None = None,  # CUDA graphs of pure-decode steps (08); None: always eager
+    ):
         self.model, self.cache, self.block_manager = model, cache, block_manager
+        self.decoder, self.graphs = decoder or default_decoder(cache), graphs
         self.device = model.lm_head.weight.device
         self.argmax = getattr(model.lm_head, "argmax", None)  # the head's exact greedy path, if any (01b)
 
@@ -419,11 +448,15 @@ class ModelRunner:
         flat = FlatBatch.of(batch)
         self.cache.copy_blocks(self.block_manager.take_copies())
         items = [(s.block_table, s.num_computed, n) for s, n in batch.items]
-        meta = PagedBatch.build(self.cache, items, batch.num_prefill, self.device)
-        ids = torch.tensor(flat.input_ids, device=self.device)  # [T]
-        pos = torch.tensor(flat.positions, device=self.device)  # [T]
+        if self.graphs is not None and batch.num_prefill == 0 and self.graphs.bucket(len(items)):
+            return self.graphs.run(items, flat.input_ids)  # a decode step: every row samples
+        meta = PagedBatch.build(self.cache, items, batch.num_prefill, self.device, self.decoder)
+        ids = to_device(torch.tensor(flat.input_ids), self.device)  # [T]
+        pos = to_device(torch.tensor(flat.positions), self.device)  # [T]
         hidden = self.model(ids, pos, meta)  # [T, hidden]
-        return hidden[torch.tensor(flat.sample_rows, dtype=torch.long, device=self.device)]  # [S, hidden]
+        if len(flat.sample_rows) == len(flat.input_ids):
+            return hidden
+        return hidden[to_device(torch.tensor(flat.sample_rows, dtype=torch.long), self.device)]  # [S, hidden]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -439,6 +472,47 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         "Release what the runner started: nothing here (07's tensor-parallel runner stops its workers)."
+
+
+# %% ../nbs/04_engine.ipynb #52701f70
+ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
+
+
+def _has_triton() -> bool:
+    "Whether triton is installed (found without importing it)."
+    return importlib.util.find_spec("triton") is not None
+
+
+def make_decoder(name: str, cache: KVCache, max_blocks: int | None = None) -> DecodeAttention:
+    "The decode backend `name` for this cache (`max_blocks`: a fixed table width), or why it cannot run here."
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend {name!r} unknown: use one of {', '.join(ATTENTION_BACKENDS)}")
+    on_cuda = cache.k.device.type == "cuda"
+    if name == "auto":
+        name = "triton" if on_cuda and _has_triton() else default_decoder(cache).name
+    if name == "torch":
+        return DecodeAttention()
+    if name == "c":
+        if default_decoder(cache).name != "c":
+            raise ValueError(
+                f"attention_backend 'c' runs on the CPU in float32 or bfloat16 where a C compiler built it, "
+                f"not for this cache ({cache.k.dtype} on {cache.k.device}): use torch or auto"
+            )
+        return CDecode()
+    if not _has_triton():
+        raise ValueError("attention_backend 'triton' needs triton: pip install triton")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 (for tests)")
+    from minivllm.triton_attention import TritonDecode  # imports triton: only when asked for
+
+    return TritonDecode(max_blocks)
+
+
+def uses_cuda_graphs(args: EngineArgs, device: torch.device) -> bool:
+    "Whether decode steps replay from CUDA graphs: on CUDA, with the Triton backend, unless enforce_eager."
+    triton_backend = args.attention_backend in ("auto", "triton") and _has_triton()
+    return not args.enforce_eager and device.type == "cuda" and triton_backend
+
 
 # %% ../nbs/04_engine.ipynb #eecd385b
 @dataclass
@@ -492,13 +566,14 @@ class LLMEngine:
             num_blocks = num_kv_blocks_for(
                 cfg, a.block_size, w.dtype, w.device, a.kv_cache_memory, a.gpu_memory_utilization
             )
-        self.block_manager = BlockManager(num_blocks, a.block_size, a.enable_prefix_caching)
+        graphs = uses_cuda_graphs(a, w.device)  # then the pool's last block is the graphs' scratch
+        self.block_manager = BlockManager(num_blocks - graphs, a.block_size, a.enable_prefix_caching)
         self.cache = KVCache(cfg, num_blocks, a.block_size, w.dtype, w.device)
         self.eos_ids = list(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
             self._scheduler_config(cfg.max_position_embeddings), self.block_manager, self.eos_ids
         )
-        self.runner = runner_factory(model, self.cache, self.block_manager)
+        self.runner = runner_factory(model, self.cache, self.block_manager, **self._attention(graphs))
         self.sampler = Sampler(a.seed, w.device)
         self.structured = StructuredOutputs(tokenizer, cfg.vocab_size)  # compiles grammars on first use
         self.requests: dict[str, _Request] = {}
@@ -538,6 +613,21 @@ def _scheduler_config(self: LLMEngine, model_context: int) -> SchedulerConfig:
         raise ValueError(f"max_model_len={max_len} exceeds the model's context ({model_context})")
     budget = a.max_num_batched_tokens if a.enable_chunked_prefill else max(a.max_num_batched_tokens, max_len)
     return SchedulerConfig(a.max_num_seqs, budget, max_len, a.enable_chunked_prefill)
+
+# %% ../nbs/04_engine.ipynb #58b2eb3f
+@patch
+def _attention(self: LLMEngine, graphs: bool) -> dict:
+    "The runner's decode backend and, with `graphs`, the CUDA graphs of pure-decode steps."
+    a, cache = self.args, self.cache
+    max_blocks = self.block_manager.blocks_for(self.max_model_len)
+    decoder = make_decoder(a.attention_backend, cache, max_blocks if graphs else None)
+    if not graphs:
+        return {"decoder": decoder}
+    from minivllm.cuda_graphs import DecodeGraphs  # imports triton: only on CUDA
+
+    scratch = cache.num_blocks - 1  # outside the block manager's pool: no sequence ever holds it
+    return {"decoder": decoder, "graphs": DecodeGraphs(self.model, cache, a.max_num_seqs, max_blocks, scratch)}
+
 
 # %% ../nbs/04_engine.ipynb #bf9f4e51
 @patch

@@ -22,7 +22,7 @@ from .qwen2 import Qwen2Config, causal_attention
 __all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_C', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
            'check_block_invariants', 'kv_bytes_per_token', 'num_kv_blocks_for', 'KVCache', 'paged_decode_attention',
            'padded_decode_attention', 'attn_library', 'c_decode_supported', 'paged_decode_attention_c', 'PrefillSpan',
-           'PagedBatch']
+           'PagedBatch', 'to_device', 'DecodeAttention', 'CDecode', 'default_decoder']
 
 # %% ../nbs/02_paged_cache.ipynb #4c575ec4
 class OutOfBlocks(RuntimeError):
@@ -372,6 +372,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros, not empty: see above
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
+        self.num_heads = cfg.num_attention_heads  # query heads: what a decode backend's checks read
         self.block_size = block_size
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)
 
@@ -634,10 +635,15 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     prefills: list[PrefillSpan]
     num_decode: int  # decode rows, after all prefill rows
-    block_ids: torch.Tensor | None  # [P] blocks read by decode rows
-    block_row: torch.Tensor | None  # [P] decode row (0..num_decode-1) of each of those blocks
-    valid: torch.Tensor | None  # [P, block_size] which slots of each block hold context
+    decoder: DecodeAttention  # how the decode rows attend (chosen once, when the engine starts)
+    # what `decoder` reads; a backend fills the fields it needs, the others stay None
+    block_ids: torch.Tensor | None = None  # [P] blocks read by decode rows
+    block_row: torch.Tensor | None = None  # [P] decode row (0..num_decode-1) of each of those blocks
+    valid: torch.Tensor | None = None  # [P, block_size] which slots of each block hold context
     lone_context: torch.Tensor | None = None  # [L] the context slots of a decode row alone in its step
+    block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] block ids (fixed-shape backends)
+    context_lens: torch.Tensor | None = None  # [num_decode] context tokens per decode row
+
 
 # %% ../nbs/02_paged_cache.ipynb #6f97d627
 def _prefill_spans(items: list[tuple[BlockTable, int, int]], device: torch.device) -> list[PrefillSpan]:
@@ -671,6 +677,62 @@ def _decode_blocks(
     valid = torch.arange(block_size, device=device)[None, :] < torch.tensor(used, device=device)[:, None]
     return torch.tensor(ids, device=device), torch.tensor(rows, device=device), valid  # [P], [P], [P, bs]
 
+# %% ../nbs/02_paged_cache.ipynb #06201fc8
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    "A CPU tensor on `device`; to a GPU through pinned memory, without making Python wait for the copy."
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+# %% ../nbs/02_paged_cache.ipynb #663c4964
+class DecodeAttention:
+    "The reference decode backend: block lists, then `paged_decode_attention` (one gather for a lone row)."
+
+    name = "torch"
+
+    def prepare(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device) -> None:
+        "Fill `meta` with what `decode` reads for these decode items (table, cached, 1)."
+        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
+        if not meta.prefills and len(items) == 1:  # one user: see "A decode row alone" below
+            table, cached, _ = items[0]
+            meta.lone_context = torch.tensor(table.slots(0, cached + 1), device=device)  # [cached + 1]
+
+    def decode(
+        self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        "Attention of the decode rows' queries q [B, Hq, D] over one layer's pools: [B, Hq, D]."
+        if meta.lone_context is not None:  # one row alone: one gather and one attention call
+            Hkv, D = k_pool.shape[2], k_pool.shape[3]
+            ks = k_pool.view(-1, Hkv, D).index_select(0, meta.lone_context)  # [context_len, Hkv, D]
+            vs = v_pool.view(-1, Hkv, D).index_select(0, meta.lone_context)
+            return causal_attention(q, ks, vs)
+        return paged_decode_attention(q, k_pool, v_pool, meta.block_ids, meta.block_row, meta.valid)
+
+
+# %% ../nbs/02_paged_cache.ipynb #70b3b44a
+class CDecode(DecodeAttention):
+    "Decode attention in one C call a layer (`paged_decode_attention_c`), on the reference's block lists."
+
+    name = "c"
+
+    def prepare(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device) -> None:
+        "Block ids, their rows and valid slots: the C kernel takes a lone row like any other."
+        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
+
+    def decode(
+        self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        "One C call: [B, Hq, D]."
+        return paged_decode_attention_c(q, k_pool, v_pool, meta.block_ids, meta.block_row, meta.valid)
+
+
+def default_decoder(cache: KVCache) -> DecodeAttention:
+    "The C kernel where it runs this cache (CPU, float32 or bfloat16, built here), else the PyTorch reference."
+    q = cache.k.new_empty(1, cache.num_heads, cache.k.shape[-1])  # [1, Hq, D]: what c_decode_supported reads
+    return CDecode() if c_decode_supported(q, cache.k[0]) else DecodeAttention()
+
+
 # %% ../nbs/02_paged_cache.ipynb #f01464df
 @patch(cls_method=True)
 def build(
@@ -679,21 +741,25 @@ def build(
     items: list[tuple[BlockTable, int, int]],  # (table, num_cached_before, num_new) per sequence
     num_prefill: int,  # the first num_prefill items prefill; the rest are decode rows (num_new == 1)
     device: torch.device,
+    decoder: DecodeAttention | None = None,  # None: `default_decoder(cache)`
 ) -> PagedBatch:
     "The metadata of one step, built once and shared by all layers."
     if not 0 <= num_prefill <= len(items):
         raise ValueError(f"num_prefill={num_prefill} is not between 0 and the {len(items)} items")
+    for row, (_, _, n) in enumerate(items[num_prefill:]):
+        if n != 1:
+            raise ValueError(f"decode item {row} has num_new={n}: a decode row computes exactly one token")
     slots: list[int] = []
     for table, cached, n in items:
         slots += table.slots(cached, cached + n)
     prefills = _prefill_spans(items[:num_prefill], device)
-    decode = _decode_blocks(items[num_prefill:], cache.block_size, device)
-    slot_mapping = torch.tensor(slots, device=device, dtype=torch.long)  # [T]
-    meta = cls(cache, slot_mapping, prefills, len(items) - num_prefill, *decode)
-    if num_prefill == 0 and len(items) == 1:  # one user: see "A decode row alone" below
-        table, cached, _ = items[0]
-        meta.lone_context = torch.tensor(table.slots(0, cached + 1), device=device)  # [cached + 1]
+    slot_mapping = to_device(torch.tensor(slots, dtype=torch.long), device)  # [T]
+    decoder = decoder or default_decoder(cache)
+    meta = cls(cache, slot_mapping, prefills, len(items) - num_prefill, decoder)
+    if meta.num_decode:
+        decoder.prepare(meta, items[num_prefill:], device)
     return meta
+
 
 # %% ../nbs/02_paged_cache.ipynb #ed91f4ad
 @patch
@@ -715,12 +781,7 @@ def attend(
         else:  # index_select: the same rows as kslots[p.context_slots], a third of the fixed cost on the CPU
             ks, vs = kslots.index_select(0, p.context_slots), vslots.index_select(0, p.context_slots)
         out.append(causal_attention(q[rows], ks, vs))
-    qd = q[q.shape[0] - self.num_decode :]  # 3. decode: one query per sequence
-    if self.num_decode and c_decode_supported(qd, kp):  # 3a. in C on the CPU, where it is built
-        out.append(paged_decode_attention_c(qd, kp, vp, self.block_ids, self.block_row, self.valid))
-    elif self.lone_context is not None:  # 3b. one decode row alone: one gather and one attention call
-        ks, vs = kslots.index_select(0, self.lone_context), vslots.index_select(0, self.lone_context)
-        out.append(causal_attention(q, ks, vs))  # ks, vs: [context_len, Hkv, D]
-    elif self.num_decode:  # 3c. block by block in PyTorch
-        out.append(paged_decode_attention(qd, kp, vp, self.block_ids, self.block_row, self.valid))
+    if self.num_decode:  # 3. decode: one query per sequence, through the backend chosen at start
+        out.append(self.decoder.decode(self, q[q.shape[0] - self.num_decode :], kp, vp))
     return out[0] if len(out) == 1 else torch.cat(out)
+

@@ -693,9 +693,14 @@ class TPModelRunner(ModelRunner):
     "Rank 0's runner: sends every step to the other ranks, runs its own part, returns the gathered logits."
 
     def __init__(
-        self, model: ShardedQwen2ForCausalLM, cache: KVCache, block_manager: BlockManager, group: TPGroup
+        self,
+        model: ShardedQwen2ForCausalLM,
+        cache: KVCache,
+        block_manager: BlockManager,
+        group: TPGroup,
+        **kw,  # the engine's decoder and graphs: the ranks build their own metadata (`run_step`)
     ):
-        super().__init__(model, cache, block_manager)
+        super().__init__(model, cache, block_manager, **kw)
         self.group = group
         self._finalizer = weakref.finalize(self, group.close)
         group.broadcast(("cache", (cache.num_blocks, cache.block_size)))

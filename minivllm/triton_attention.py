@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from .paged_cache import BlockTable, DecodeAttention, PagedBatch, to_device
+
 try:
     import triton
     import triton.language as tl
@@ -19,7 +21,8 @@ except ImportError:  # triton is optional: the kernel serves CUDA, its PyTorch t
 HAS_TRITON = triton is not None
 
 # %% auto #0
-__all__ = ['HAS_TRITON', 'decode_attention_reference', 'random_decode_batch', 'paged_decode_attention_triton']
+__all__ = ['HAS_TRITON', 'MIN_BLOCKS_PER_SPLIT', 'decode_attention_reference', 'random_decode_batch', 'split_plan', 'num_sms',
+           'paged_decode_attention_triton', 'TritonDecode']
 
 # %% ../nbs/02b_triton_attention.ipynb #6f42389c
 def decode_attention_reference(
@@ -105,16 +108,20 @@ if HAS_TRITON:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, Hq, D]; k, v pools: [num_blocks, bs, Hkv, D]
+        part_ptr, ml_ptr,  # split-K partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2] (float32; unused if S=1)
         tables_ptr, lens_ptr,  # block tables [B, max_blocks], context lengths [B]
-        sq_b, sq_h, so_b, so_h, skv_n, skv_t, skv_h, st_b,  # strides (elements) of q, o, the pools, tables
+        sq_b, sq_h, so_b, so_h, skv_n, skv_t, skv_h, st_b, sl_b,  # strides (elements) of q, o, pools, tables, lens
         scale,  # 1 / sqrt(D)
+        blocks_per_split,  # program (b, h, s) reads blocks s*blocks_per_split .. (s+1)*blocks_per_split - 1
         G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,  # query heads per KV head, head size, block size
         G_P: tl.constexpr, D_P: tl.constexpr, BS_P: tl.constexpr,  # the same, rounded up to powers of two
+        SPLIT: tl.constexpr,  # whether the context is split over programs (then _merge_splits_kernel finishes)
     ):
         # fmt: on
         b = tl.program_id(0)  # this program's sequence
         h = tl.program_id(1)  # and KV head: it serves query heads h*G .. h*G + G-1
-        n = tl.load(lens_ptr + b)
+        s = tl.program_id(2)  # and share of the context
+        n = tl.load(lens_ptr + b * sl_b)
         g = tl.arange(0, G_P)
         d = tl.arange(0, D_P)
         t = tl.arange(0, BS_P)
@@ -125,7 +132,8 @@ if HAS_TRITON:
         m = tl.full([G_P], float("-inf"), tl.float32)  # running maximum score
         l = tl.zeros([G_P], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([G_P, D_P], tl.float32)  # running sum of exp(score - m) * v
-        for j in range(0, tl.cdiv(n, BS)):
+        j_end = tl.minimum(s * blocks_per_split + blocks_per_split, tl.cdiv(n, BS))
+        for j in range(s * blocks_per_split, j_end):
             # pass 2: block j of the sequence, through its table; its K and V in place, context slots only
             blk = tl.load(tables_ptr + b * st_b + j).to(tl.int64)  # int64: offsets in a large pool
             valid = (t < BS) & (j * BS + t < n)  # [BS_P]
@@ -134,13 +142,52 @@ if HAS_TRITON:
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             m, l, acc = _online_softmax_block(q, k, v, valid, m, l, acc)  # passes 3 and 4
-        # pass 5: normalise, store in the output's dtype (an empty context gives zeros, not 0/0)
-        o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        o_off = b * so_b + (h * G + g[:, None]) * so_h + d[None, :]
-        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=q_mask)
+        if SPLIT:  # pass 5 of a share: keep (m, l, acc) for the merge
+            row = (b * tl.num_programs(1) * G + h * G + g) * tl.num_programs(2) + s  # [G_P] rows of [B, Hq, S]
+            tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=q_mask)
+            tl.store(ml_ptr + row * 2, m, mask=g < G)
+            tl.store(ml_ptr + row * 2 + 1, l, mask=g < G)
+        else:  # pass 5: normalise, store in the output's dtype (an empty context gives zeros, not 0/0)
+            o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+            o_off = b * so_b + (h * G + g[:, None]) * so_h + d[None, :]
+            tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+# %% ../nbs/02b_triton_attention.ipynb #b479de58
+if HAS_TRITON:
+    # fmt: off
+    @triton.jit
+    def _merge_splits_kernel(
+        o_ptr, part_ptr, ml_ptr, lens_ptr,  # o: [B, Hq, D]; partials as in _paged_decode_kernel; lens [B]
+        so_b, so_h, sl_b,  # strides (elements) of o and lens
+        blocks_per_split, num_splits,
+        D: tl.constexpr, BS: tl.constexpr, D_P: tl.constexpr,
+    ):
+        # fmt: on
+        b = tl.program_id(0)  # this program's sequence
+        hq = tl.program_id(1)  # and query head
+        n = tl.load(lens_ptr + b * sl_b)
+        d = tl.arange(0, D_P)
+        used = tl.cdiv(tl.cdiv(n, BS), blocks_per_split)  # the shares that saw context
+        m = tl.full([D_P], float("-inf"), tl.float32)  # the running state, the same in every lane
+        l = tl.zeros([D_P], tl.float32)
+        acc = tl.zeros([D_P], tl.float32)
+        for s in range(0, used):
+            row = (b * tl.num_programs(1) + hq) * num_splits + s
+            m_s = tl.load(ml_ptr + row * 2 + 0 * d)  # [D_P], one value broadcast
+            l_s = tl.load(ml_ptr + row * 2 + 1 + 0 * d)
+            a_s = tl.load(part_ptr + row * D + d, mask=d < D, other=0.0)
+            m_new = tl.maximum(m, m_s)  # the same rescaling as one block of the online softmax
+            alpha, beta = tl.exp(m - m_new), tl.exp(m_s - m_new)
+            l = l * alpha + l_s * beta
+            acc = acc * alpha + a_s * beta
+            m = m_new
+        o = acc / tl.where(l == 0.0, 1.0, l)
+        tl.store(o_ptr + b * so_b + hq * so_h + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
+
 
 # %% ../nbs/02b_triton_attention.ipynb #3bb93243
-def _check_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *index: torch.Tensor) -> None:
+def _check_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *tables: torch.Tensor) -> None:
     "Refuse, with the reason, what the kernel cannot run."
     if q.shape[2] != k_pool.shape[3]:
         raise ValueError(f"queries have head size {q.shape[2]}, the pools {k_pool.shape[3]}")
@@ -148,7 +195,7 @@ def _check_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *
         raise ValueError(f"{q.shape[1]} query heads do not split evenly over {k_pool.shape[2]} KV heads")
     if k_pool.stride() != v_pool.stride():
         raise ValueError("k_pool and v_pool must share one layout (the same strides)")
-    for x in (q, k_pool, v_pool, *index):
+    for x in (q, k_pool, v_pool, *tables):
         if x.stride(-1) != 1:
             raise ValueError(f"every input must be contiguous in its last dimension (strides {x.stride()})")
     if not HAS_TRITON:
@@ -157,30 +204,85 @@ def _check_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *
         msg = "on the CPU triton runs kernels only in its interpreter: set TRITON_INTERPRET=1 first"
         raise RuntimeError(msg)
 
+
+MIN_BLOCKS_PER_SPLIT = 4  # a share of the context is at least this many blocks: fewer would cost more to merge
+
+
+def split_plan(batch: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> tuple[int, int]:
+    "(splits S, blocks per split): about two programs per multiprocessor over `max_blocks`-block contexts."
+    want = max(1, -(-2 * num_sms // max(batch * num_kv_heads, 1)))  # shares per (sequence, KV head)
+    per_split = max(MIN_BLOCKS_PER_SPLIT, -(-max_blocks // want))
+    return max(1, -(-max_blocks // per_split)), per_split
+
+
+def num_sms(device: torch.device) -> int:
+    "Multiprocessors of a GPU (1 on the CPU, where the interpreter runs programs one after the other)."
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 # %% ../nbs/02b_triton_attention.ipynb #af39c28b
 def paged_decode_attention_triton(
     q: torch.Tensor,  # [B, Hq, D] one query per decoding sequence
     k_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D] one layer's keys
     v_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D] one layer's values
-    block_tables: torch.Tensor,  # [B, max_blocks] int32 block ids; entries past a context are never read
-    context_lens: torch.Tensor,  # [B] int32 context tokens per sequence (0 gives a zero row)
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 or int64 block ids; entries past a context are never read
+    context_lens: torch.Tensor,  # [B] context tokens per sequence (0 gives a zero row), any stride
     num_warps: int = 4,  # warps per program on a GPU (the interpreter ignores it)
+    num_splits: int | None = None,  # shares of each context (split-K); None: `split_plan` for this GPU
 ) -> torch.Tensor:
-    "Decode attention through block tables in one Triton launch: [B, Hq, D] in q's dtype."
-    _check_launch(q, k_pool, v_pool, block_tables, context_lens)
+    "Decode attention through block tables in one Triton launch (two with split-K): [B, Hq, D] in q's dtype."
+    _check_launch(q, k_pool, v_pool, block_tables)
     B, Hq, D = q.shape
     bs, Hkv = k_pool.shape[1], k_pool.shape[2]
-    G = Hq // Hkv
+    G, W = Hq // Hkv, block_tables.shape[1]
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    S, per_split = split_plan(B, Hkv, W, num_sms(q.device))
+    if num_splits is not None:
+        S, per_split = num_splits, max(1, -(-W // num_splits))
+    part = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
+    ml = torch.empty(B, Hq, S, 2, dtype=torch.float32, device=q.device) if S > 1 else out
     pow2 = triton.next_power_of_2
     # fmt: off
-    _paged_decode_kernel[(B, Hkv)](
-        q, k_pool, v_pool, out, block_tables, context_lens,
+    _paged_decode_kernel[(B, Hkv, S)](
+        q, k_pool, v_pool, out, part, ml, block_tables, context_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_pool.stride()[:3], block_tables.stride(0),
-        1.0 / math.sqrt(D),
-        G=G, D=D, BS=bs, G_P=pow2(G), D_P=pow2(D), BS_P=pow2(bs), num_warps=num_warps,
+        context_lens.stride(0), 1.0 / math.sqrt(D), per_split,
+        G=G, D=D, BS=bs, G_P=pow2(G), D_P=pow2(D), BS_P=pow2(bs), SPLIT=S > 1, num_warps=num_warps,
     )
+    if S > 1:
+        _merge_splits_kernel[(B, Hq)](
+            out, part, ml, context_lens, out.stride(0), out.stride(1), context_lens.stride(0), per_split, S,
+            D=D, BS=bs, D_P=pow2(D), num_warps=1,
+        )
     # fmt: on
     return out
+
+
+# %% ../nbs/02b_triton_attention.ipynb #78eb8e3b
+class TritonDecode(DecodeAttention):
+    "Decode attention through `paged_decode_attention_triton`, over block tables padded to one width."
+
+    name = "triton"
+
+    def __init__(self, max_blocks: int | None = None):  # fixed table width (CUDA graphs); None: the step's
+        self.max_blocks = max_blocks
+
+    def prepare(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device) -> None:
+        "Block tables [B, width] int32 and context lengths [B] int32, in one pinned copy each."
+        bs = meta.cache.block_size
+        need = [-(-(cached + 1) // bs) for _, cached, _ in items]  # blocks holding each row's context
+        width = self.max_blocks or max(need)
+        if max(need) > width:
+            raise ValueError(f"a decode row reads {max(need)} blocks, past the table width {width}")
+        rows = [table.blocks[:k] + [0] * (width - k) for (table, _, _), k in zip(items, need)]
+        meta.block_tables = to_device(torch.tensor(rows, dtype=torch.int32), device)  # [B, width]
+        meta.context_lens = to_device(torch.tensor([c + 1 for _, c, _ in items], dtype=torch.int32), device)
+
+    def decode(
+        self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        "One launch (two with split-K): [B, Hq, D]."
+        return paged_decode_attention_triton(q, k_pool, v_pool, meta.block_tables, meta.context_lens)
+

@@ -478,8 +478,11 @@ def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
     got = meta.attend(0, q, k, v)
     assert calls == [1]
     assert pc.c_decode_supported(q, kv.k[0]) and not pc.c_decode_supported(q.half(), kv.k[0].half())  # float16: PyTorch's
+    assert meta.decoder.name == "c"
     monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: the PyTorch path
     assert not pc.c_decode_supported(q, kv.k[0])
+    meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU)
+    assert meta.decoder.name == "torch"
     assert (meta.attend(0, q, k, v) - got).abs().max() <= ATTN_TOL and calls == [1]
 
 
@@ -490,8 +493,9 @@ def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypa
     kv = KVCache(cfg, num_blocks=16, block_size=4, dtype=dtype, device=CPU)
     kv.k.normal_()
     kv.v.normal_()
-    meta = PagedBatch.build(kv, [(BlockTable(4, [5, 2, 9], 11), 10, 1)], num_prefill=0, device=CPU)
-    assert meta.lone_context is not None  # one user: the gather path is ready
+    lone = [(BlockTable(4, [5, 2, 9], 11), 10, 1)]
+    meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU)
+    assert meta.decoder.name == "c" and meta.lone_context is None  # the C kernel takes a lone row as it is
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = (torch.randn(1, h, D, dtype=dtype) for h in (H, Hkv, Hkv))
     calls, sdpa = [], []
@@ -501,6 +505,8 @@ def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypa
     got = meta.attend(0, q, k, v)
     assert calls == [1] and sdpa == []  # one C call, no gather
     monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: one gather, one SDPA call
+    meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU)
+    assert meta.decoder.name == "torch" and meta.lone_context is not None
     want = meta.attend(0, q, k, v)
     assert calls == [1] and sdpa == [1]
     tol = ATTN_TOL if dtype == torch.float32 else 2e-2

@@ -165,36 +165,44 @@ import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from minivllm.triton_attention import _paged_decode_kernel
+from minivllm.triton_attention import _merge_splits_kernel, _paged_decode_kernel
 
-arch, dtype, G, D, BS = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:])
-sig = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
-sig |= {"tables_ptr": "*i32", "lens_ptr": "*i32"}
-sig |= {name: "i32" for name in ("sq_b", "sq_h", "so_b", "so_h", "skv_n", "skv_t", "skv_h", "st_b")}
-sig["scale"] = "fp32"
+arch, dtype, G, D, BS, split = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:])
 p2 = triton.next_power_of_2
-consts = dict(G=G, D=D, BS=BS, G_P=p2(G), D_P=p2(D), BS_P=p2(BS))
+sig = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+sig |= {"part_ptr": "*fp32", "ml_ptr": "*fp32", "tables_ptr": "*i32", "lens_ptr": "*i64"}
+sig |= {name: "i32" for name in ("sq_b", "sq_h", "so_b", "so_h", "skv_n", "skv_t", "skv_h", "st_b", "sl_b")}
+sig |= {"scale": "fp32", "blocks_per_split": "i32"}
+consts = dict(G=G, D=D, BS=BS, G_P=p2(G), D_P=p2(D), BS_P=p2(BS), SPLIT=bool(split))
 sig |= {name: "constexpr" for name in consts}
-src = ASTSource(_paged_decode_kernel, sig, constexprs=consts)
-kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-    f.write(kernel.asm["cubin"])
+merge_sig = {"o_ptr": f"*{dtype}", "part_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i64"}
+merge_sig |= {name: "i32" for name in ("so_b", "so_h", "sl_b", "blocks_per_split", "num_splits")}
+merge_consts = dict(D=D, BS=BS, D_P=p2(D))
+merge_sig |= {name: "constexpr" for name in merge_consts}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-os.unlink(f.name)
-print(re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage.stdout).group(0))
+for fn, s, c, warps in ((_paged_decode_kernel, sig, consts, 4), (_merge_splits_kernel, merge_sig, merge_consts, 1)):
+    kernel = triton.compile(ASTSource(fn, s, constexprs=c), target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=warps))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    os.unlink(f.name)
+    print(fn.__name__, re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage.stdout).group(0))
 """
 
 
 @needs_triton
-@pytest.mark.parametrize("arch,dtype", [(75, "fp16"), (90, "bf16")], ids=["T4-fp16", "H200-bf16"])
-def test_kernel_compiles_for_a_gpu_without_one(arch, dtype):
+@pytest.mark.parametrize("split", [0, 1], ids=["one-pass", "split-K"])
+@pytest.mark.parametrize(
+    "arch,dtype", [(75, "fp16"), (80, "bf16"), (90, "bf16")], ids=["T4-fp16", "A100-bf16", "H200-bf16"]
+)
+def test_kernel_compiles_for_a_gpu_without_one(arch, dtype, split):
     # the interpreter runs Python, so it accepts code the compiler refuses. Compile to a cubin for a T4
-    # (sm_75) and an H200 (sm_90) with triton's own ptxas, at the bundled model's shapes (G=7, D=64, bs=16):
-    # no GPU is needed for that
+    # (sm_75, float16), an A100 (sm_80) and an H200 (sm_90) in bfloat16 with triton's own ptxas, at the bundled
+    # model's shapes (G=7, D=64, bs=16), both kernels of split-K: no GPU is needed for that
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
-    cmd = [sys.executable, "-c", COMPILE, str(arch), dtype, "7", "64", "16"]
+    cmd = [sys.executable, "-c", COMPILE, str(arch), dtype, "7", "64", "16", str(split)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     print(res.stdout)
-    assert "LOCAL:0" in res.stdout, f"registers spill to local memory: {res.stdout}"
+    assert res.stdout.count("LOCAL:0") == 2, f"registers spill to local memory: {res.stdout}"
