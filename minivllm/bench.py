@@ -761,18 +761,22 @@ def _warmup(reqs: dict[int, list[BenchRequest]]) -> list[BenchRequest]:
     return [BenchRequest(next(iter(reqs.values()))[0].prompt_token_ids, 4)]
 
 
-def _hf_model(path: Path, dtype: torch.dtype):
-    "transformers' model of `path` (a folder, or a .gguf file it dequantizes) in `dtype`."
+def _hf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    "transformers' model of `path` (a folder, or a .gguf file it dequantizes) in `dtype` on `device`."
     from transformers import AutoModelForCausalLM
 
     if path.is_file():
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return hf.to(device).eval()  # on our model's device: the same GPU and dtype, or the CPU
 
 
-def _hf_runs(path: Path, dtype: str, reqs: dict[int, list[BenchRequest]], pad_id: int) -> dict[int, dict]:
-    "transformers in `dtype` on the requests of each concurrency, after one short request to warm up."
-    hf = _hf_model(path, getattr(torch, dtype))
+def _hf_runs(
+    path: Path, dtype: str, reqs: dict[int, list[BenchRequest]], pad_id: int, device: torch.device
+) -> dict[int, dict]:
+    "transformers in `dtype` on `device`, on the requests of each concurrency, after a short one to warm up."
+    hf = _hf_model(path, getattr(torch, dtype), device)
     run_hf(hf, _warmup(reqs), 1, pad_id)
     runs = {c: run_hf(hf, r, c, pad_id) for c, r in reqs.items()}
     del hf
@@ -827,7 +831,7 @@ def offline_modes(
             reqs = {c: make_requests(tok, n, seed, min_tokens, max_tokens) for c, n in num_requests.items()}
             if rec["dtype"] not in hf:
                 say(f"transformers {rec['dtype']}: loading and running every concurrency")
-                hf[rec["dtype"]] = _hf_runs(path, rec["dtype"], reqs, _pad_id(tok))
+                hf[rec["dtype"]] = _hf_runs(path, rec["dtype"], reqs, _pad_id(tok), m.lm_head.weight.device)
             got, outputs = _offline_mode(m, tok, rec, reqs, hf[rec["dtype"]], ref, say, **engine_kw)
         except Exception as e:  # this mode cannot run here: recorded, and the others still run
             rec = {"mode": mode.name, "dtype": mode.dtype, "quantization": mode.quantization}
@@ -1253,7 +1257,7 @@ def _load(a: argparse.Namespace) -> tuple[Qwen2ForCausalLM, Tokenizer, EngineArg
 def _offline(a: argparse.Namespace) -> dict:
     "Ours vs transformers, on the same model in the same dtype."
     model, tok, args = _load(a)
-    hf = _hf_model(resolve_model(a.model), model.model.norm.weight.dtype)
+    hf = _hf_model(resolve_model(a.model), model.model.norm.weight.dtype, model.lm_head.weight.device)
     per_c = (lambda c: a.num_requests) if a.num_requests else None
     workload = (a.concurrency, per_c, a.seed, a.min_tokens, a.max_tokens)
     rows = offline_benchmark(model, tok, hf, *workload, args=args)

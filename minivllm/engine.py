@@ -502,7 +502,7 @@ def make_decoder(name: str, cache: KVCache, max_blocks: int | None = None) -> De
     if not _has_triton():
         raise ValueError("attention_backend 'triton' needs triton: pip install triton")
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 (for tests)")
+        raise ValueError("attention_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 (tests)")
     from minivllm.triton_attention import TritonDecode  # imports triton: only when asked for
 
     return TritonDecode(max_blocks)
@@ -626,7 +626,8 @@ def _attention(self: LLMEngine, graphs: bool) -> dict:
     from minivllm.cuda_graphs import DecodeGraphs  # imports triton: only on CUDA
 
     scratch = cache.num_blocks - 1  # outside the block manager's pool: no sequence ever holds it
-    return {"decoder": decoder, "graphs": DecodeGraphs(self.model, cache, a.max_num_seqs, max_blocks, scratch)}
+    graphs = DecodeGraphs(self.model, cache, a.max_num_seqs, max_blocks, scratch)
+    return {"decoder": decoder, "graphs": graphs}
 
 
 # %% ../nbs/04_engine.ipynb #bf9f4e51

@@ -691,7 +691,9 @@ class DecodeAttention:
 
     name = "torch"
 
-    def prepare(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device) -> None:
+    def prepare(
+        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
+    ) -> None:
         "Fill `meta` with what `decode` reads for these decode items (table, cached, 1)."
         meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
         if not meta.prefills and len(items) == 1:  # one user: see "A decode row alone" below
@@ -716,7 +718,9 @@ class CDecode(DecodeAttention):
 
     name = "c"
 
-    def prepare(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device) -> None:
+    def prepare(
+        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
+    ) -> None:
         "Block ids, their rows and valid slots: the C kernel takes a lone row like any other."
         meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
 
@@ -728,7 +732,7 @@ class CDecode(DecodeAttention):
 
 
 def default_decoder(cache: KVCache) -> DecodeAttention:
-    "The C kernel where it runs this cache (CPU, float32 or bfloat16, built here), else the PyTorch reference."
+    "The C kernel where it runs this cache (CPU, float32 or bfloat16, built here), else the reference."
     q = cache.k.new_empty(1, cache.num_heads, cache.k.shape[-1])  # [1, Hq, D]: what c_decode_supported reads
     return CDecode() if c_decode_supported(q, cache.k[0]) else DecodeAttention()
 

@@ -108,14 +108,14 @@ if HAS_TRITON:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, Hq, D]; k, v pools: [num_blocks, bs, Hkv, D]
-        part_ptr, ml_ptr,  # split-K partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2] (float32; unused if S=1)
+        part_ptr, ml_ptr,  # split-K partials (float32): acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
         tables_ptr, lens_ptr,  # block tables [B, max_blocks], context lengths [B]
-        sq_b, sq_h, so_b, so_h, skv_n, skv_t, skv_h, st_b, sl_b,  # strides (elements) of q, o, pools, tables, lens
+        sq_b, sq_h, so_b, so_h, skv_n, skv_t, skv_h, st_b, sl_b,  # strides of q, o, pools, tables, lens
         scale,  # 1 / sqrt(D)
         blocks_per_split,  # program (b, h, s) reads blocks s*blocks_per_split .. (s+1)*blocks_per_split - 1
         G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,  # query heads per KV head, head size, block size
         G_P: tl.constexpr, D_P: tl.constexpr, BS_P: tl.constexpr,  # the same, rounded up to powers of two
-        SPLIT: tl.constexpr,  # whether the context is split over programs (then _merge_splits_kernel finishes)
+        SPLIT: tl.constexpr,  # whether the context is split over programs (_merge_splits_kernel finishes)
     ):
         # fmt: on
         b = tl.program_id(0)  # this program's sequence
@@ -143,7 +143,8 @@ if HAS_TRITON:
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             m, l, acc = _online_softmax_block(q, k, v, valid, m, l, acc)  # passes 3 and 4
         if SPLIT:  # pass 5 of a share: keep (m, l, acc) for the merge
-            row = (b * tl.num_programs(1) * G + h * G + g) * tl.num_programs(2) + s  # [G_P] rows of [B, Hq, S]
+            hq = b * tl.num_programs(1) * G + h * G + g  # [G_P] the query heads, counted over [B, Hq]
+            row = hq * tl.num_programs(2) + s  # [G_P] their rows of [B, Hq, S]
             tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=q_mask)
             tl.store(ml_ptr + row * 2, m, mask=g < G)
             tl.store(ml_ptr + row * 2 + 1, l, mask=g < G)
@@ -205,7 +206,7 @@ def _check_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *
         raise RuntimeError(msg)
 
 
-MIN_BLOCKS_PER_SPLIT = 4  # a share of the context is at least this many blocks: fewer would cost more to merge
+MIN_BLOCKS_PER_SPLIT = 4  # a share of the context is at least this many blocks: fewer cost more to merge
 
 
 def split_plan(batch: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> tuple[int, int]:
@@ -225,7 +226,7 @@ def paged_decode_attention_triton(
     q: torch.Tensor,  # [B, Hq, D] one query per decoding sequence
     k_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D] one layer's keys
     v_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D] one layer's values
-    block_tables: torch.Tensor,  # [B, max_blocks] int32 or int64 block ids; entries past a context are never read
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64 block ids; entries past a context never read
     context_lens: torch.Tensor,  # [B] context tokens per sequence (0 gives a zero row), any stride
     num_warps: int = 4,  # warps per program on a GPU (the interpreter ignores it)
     num_splits: int | None = None,  # shares of each context (split-K); None: `split_plan` for this GPU
@@ -269,7 +270,9 @@ class TritonDecode(DecodeAttention):
     def __init__(self, max_blocks: int | None = None):  # fixed table width (CUDA graphs); None: the step's
         self.max_blocks = max_blocks
 
-    def prepare(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device) -> None:
+    def prepare(
+        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
+    ) -> None:
         "Block tables [B, width] int32 and context lengths [B] int32, in one pinned copy each."
         bs = meta.cache.block_size
         need = [-(-(cached + 1) // bs) for _, cached, _ in items]  # blocks holding each row's context
