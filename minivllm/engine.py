@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import importlib.util
 import os
 import time
@@ -29,7 +30,7 @@ from minivllm.paged_cache import (
     num_kv_blocks_for,
     to_device,
 )
-from .qwen2 import Qwen2ForCausalLM, Tokenizer, load_model
+from .qwen2 import ContiguousKVCache, Qwen2ForCausalLM, Tokenizer, load_model
 from .structured import GrammarState, StructuredOutputs, apply_grammar_masks
 from minivllm.scheduler import (
     SamplingError,
@@ -48,7 +49,8 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
 __all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob',
            'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'detokenize_incrementally',
            'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch', 'ModelRunner', 'make_decoder',
-           'uses_cuda_graphs', 'EngineStats', 'StepRecord', 'LLMEngine', 'release_free_memory', 'LLM', 'main']
+           'uses_cuda_graphs', 'EngineStats', 'StepRecord', 'warmup_step', 'LLMEngine', 'release_free_memory', 'LLM',
+           'main']
 
 # %% ../nbs/04_engine.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -545,6 +547,17 @@ class StepRecord:
     preempted: int
     seconds: float
 
+# %% ../nbs/04_engine.ipynb #91288ecc
+@torch.inference_mode()
+def warmup_step(model: Qwen2ForCausalLM, num_tokens: int, num_seqs: int) -> None:
+    "A full step's forward without a cache: `num_tokens` tokens of one prompt, logits for `num_seqs` rows."
+    dev = model.lm_head.weight.device
+    n = min(num_tokens, model.config.max_position_embeddings)
+    ids, pos = torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)  # [n] each
+    hidden = model(ids, pos, ContiguousKVCache(model.config.num_hidden_layers).batch([0], [n]))  # [n, hidden]
+    model.compute_logits(hidden[-1:].expand(num_seqs, -1))  # [num_seqs, V] float32, as the sampler gets them
+
+
 # %% ../nbs/04_engine.ipynb #7899dea3
 class LLMEngine:
     "Continuous batching over a paged KV cache: add requests, call step() until done."
@@ -563,8 +576,9 @@ class LLMEngine:
         cfg, w = model.config, model.lm_head.weight
         num_blocks = a.num_kv_blocks
         if num_blocks is None:
+            warm = functools.partial(warmup_step, model, a.max_num_batched_tokens, a.max_num_seqs)
             num_blocks = num_kv_blocks_for(
-                cfg, a.block_size, w.dtype, w.device, a.kv_cache_memory, a.gpu_memory_utilization
+                cfg, a.block_size, w.dtype, w.device, a.kv_cache_memory, a.gpu_memory_utilization, warm
             )
         graphs = uses_cuda_graphs(a, w.device)  # then the pool's last block is the graphs' scratch
         self.block_manager = BlockManager(num_blocks - graphs, a.block_size, a.enable_prefix_caching)

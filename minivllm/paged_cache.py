@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +22,10 @@ from .qwen2 import Qwen2Config, causal_attention
 
 # %% auto #0
 __all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_C', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
-           'check_block_invariants', 'kv_bytes_per_token', 'num_kv_blocks_for', 'KVCache', 'paged_decode_attention',
-           'padded_decode_attention', 'attn_library', 'c_decode_supported', 'paged_decode_attention_c', 'PrefillSpan',
-           'PagedBatch', 'to_device', 'DecodeAttention', 'CDecode', 'default_decoder']
+           'check_block_invariants', 'kv_bytes_per_token', 'kv_cache_budget', 'measure_cuda_memory',
+           'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'attn_library',
+           'c_decode_supported', 'paged_decode_attention_c', 'PrefillSpan', 'PagedBatch', 'to_device',
+           'DecodeAttention', 'CDecode', 'default_decoder']
 
 # %% ../nbs/02_paged_cache.ipynb #4c575ec4
 class OutOfBlocks(RuntimeError):
@@ -338,6 +341,29 @@ def _available_ram() -> int | None:
         return None
     return None
 
+# %% ../nbs/02_paged_cache.ipynb #6baa1ac6
+def kv_cache_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:
+    "Bytes for K and V on a GPU: utilization x total, less what is in use and the activations' extra peak."
+    used = total - free  # everything on the device now: weights, other processes, what is still allocated
+    return int(utilization * total - used - (peak - current))
+
+
+def measure_cuda_memory(
+    device: torch.device, warmup: Callable[[], object] | None = None, cuda=torch.cuda
+) -> tuple[int, int, int, int]:
+    "(total, free, peak, current) bytes around one warm-up call, cached memory given back first."
+    gc.collect()
+    cuda.empty_cache()  # a dropped engine's pool, still cached by PyTorch, is not in use
+    cuda.reset_peak_memory_stats(device)
+    if warmup is not None:
+        warmup()
+        cuda.synchronize(device)
+        cuda.empty_cache()  # what the warm-up freed is counted once, in its peak, not again as in use
+    stats = cuda.memory_stats(device)
+    free, total = cuda.mem_get_info(device)
+    return total, free, stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+
+
 # %% ../nbs/02_paged_cache.ipynb #9c42a9a4
 def num_kv_blocks_for(
     cfg: Qwen2Config,
@@ -346,20 +372,31 @@ def num_kv_blocks_for(
     device: torch.device,
     kv_cache_memory: int | None,  # bytes for K and V; None: decide from the device's memory
     gpu_memory_utilization: float,  # CUDA: fraction of the device's memory the process may fill
+    warmup: Callable[[], object] | None = None,  # CUDA: one step's forward, for the activations' peak
+    cuda=torch.cuda,  # the CUDA memory calls (tests fake them)
 ) -> int:
     "How many blocks fit the memory budget (see the text above)."
     per_block = kv_bytes_per_token(cfg, dtype) * block_size
+    how = "kv_cache_memory"
     if kv_cache_memory is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        kv_cache_memory = int(free - (1 - gpu_memory_utilization) * total)
+        total, free, peak, current = measure_cuda_memory(device, warmup, cuda)
+        kv_cache_memory = kv_cache_budget(total, free, peak, current, gpu_memory_utilization)
+        how = (
+            f"{gpu_memory_utilization} x {total:,} total - {total - free:,} in use - {peak - current:,} "
+            "activations' peak"
+        )
     elif kv_cache_memory is None:
         ram = _available_ram()
         kv_cache_memory = min(DEFAULT_CPU_KV_BYTES, ram // 4) if ram else DEFAULT_CPU_KV_BYTES
     n = int(kv_cache_memory // per_block)
     if n < 1:
-        budget = f"the KV cache budget ({kv_cache_memory:,} bytes)"
-        raise ValueError(f"{budget} holds no block of {per_block:,} bytes")
+        budget = f"the KV cache budget ({kv_cache_memory:,} bytes = {how})"
+        raise ValueError(
+            f"{budget} holds no block of {per_block:,} bytes: raise gpu_memory_utilization, free the GPU, or "
+            "give kv_cache_memory"
+        )
     return n
+
 
 # %% ../nbs/02_paged_cache.ipynb #765208cf
 class KVCache:

@@ -29,11 +29,11 @@ __all__ = ['SDPA_GQA', 'DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENI
            'UnsupportedArchitecture', 'Qwen2Config', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary',
            'AttentionMetadata', 'row_bucket', 'causal_attention', 'ContiguousKVCache', 'ContiguousBatch',
            'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM', 'greedy_generate',
-           'resolve_device', 'resolve_dtype', 'model_from_tensors', 'safetensors_files', 'load_safetensors_model',
-           'gguf_to_hf_name', 'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model',
-           'tokenizer_from_gguf', 'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir',
-           'assemble_bundled_gguf', 'convert_gguf_to_folder', 'bundled_model_folder', 'packing_supported',
-           'PackedLinear', 'pack_linears', 'resolve_model', 'merge_projections', 'load_model']
+           'resolve_device', 'cuda_bf16_error', 'resolve_dtype', 'model_from_tensors', 'safetensors_files',
+           'load_safetensors_model', 'gguf_to_hf_name', 'open_gguf', 'gguf_metadata', 'gguf_config',
+           'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf', 'ChatTemplateError', 'render_chat_template',
+           'Tokenizer', 'cache_dir', 'assemble_bundled_gguf', 'convert_gguf_to_folder', 'bundled_model_folder',
+           'packing_supported', 'PackedLinear', 'pack_linears', 'resolve_model', 'merge_projections', 'load_model']
 
 # %% ../nbs/01_qwen2.ipynb #8e70992d
 class ModelLoadError(ValueError):
@@ -420,11 +420,23 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return torch.device(device)
 
 
+def cuda_bf16_error(device: torch.device) -> str | None:
+    "Why bfloat16 cannot run on this GPU (vLLM's words), or None: it needs compute capability 8.0."
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 0):
+        return None
+    return (
+        "Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your "
+        f"{torch.cuda.get_device_name(device)} GPU has compute capability {major}.{minor}. You can use "
+        "float16 instead by explicitly setting the `dtype` flag in CLI, for example: --dtype=half."
+    )
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    "None: float32 on CPU; 'auto': bfloat16 where the CPU has it in hardware; CUDA: bfloat16 (or float16)."
+    "CPU: None float32, 'auto' bfloat16 where in hardware; CUDA: bfloat16 from capability 8.0, else float16."
     if dtype in (None, "auto"):
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cuda":  # is_bf16_supported() says True on a T4 too: it emulates bfloat16, slowly
+            return torch.float16 if cuda_bf16_error(device) else torch.bfloat16
         if dtype == "auto":
             from minivllm.cpu_kernels import cpu_has_bf16  # imported here: cpu_kernels imports this module
 
@@ -436,6 +448,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         dtype = DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} is not supported")
+    if dtype == torch.bfloat16 and device.type == "cuda" and cuda_bf16_error(device):
+        raise ValueError(cuda_bf16_error(device))
     if dtype == torch.float16 and device.type == "cpu":
         raise ValueError("float16 is for CUDA; on the CPU use float32 or bfloat16")
     return dtype

@@ -816,3 +816,82 @@ def test_bundled_parity_with_transformers(bundled_pair):
               f"max |logit diff| vs transformers {worst:.2e}")
     assert all(same == len(prompts) for same, _ in report.values())
     assert all(worst <= BUNDLED_LOGIT_TOL for _, worst in report.values())
+
+
+class FakeCuda:
+    "torch.cuda's memory calls over a pretend GPU: allocations, PyTorch's cache of freed memory, the peak."
+
+    def __init__(self, total: int):
+        self.total, self.allocated, self.cached, self.peak = total, 0, 0, 0
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.cached = max(self.cached - n, 0)
+        self.peak = max(self.peak, self.allocated)
+
+    def release(self, n: int) -> None:
+        self.allocated, self.cached = self.allocated - n, self.cached + n
+
+    def empty_cache(self):
+        self.cached = 0
+
+    def reset_peak_memory_stats(self, device):
+        self.peak = self.allocated
+
+    def synchronize(self, device):
+        pass
+
+    def memory_stats(self, device):
+        return {"allocated_bytes.all.peak": self.peak, "allocated_bytes.all.current": self.allocated}
+
+    def mem_get_info(self, device):
+        return self.total - self.allocated - self.cached, self.total
+
+
+def test_kv_memory_is_sized_like_vllm_with_the_cuda_calls_faked():
+    from minivllm.paged_cache import kv_cache_budget, num_kv_blocks_for
+
+    GB, gpu, cfg = 1 << 30, torch.device("cuda"), tiny_cfg()
+    per_block = kv_bytes_per_token(cfg, torch.float16) * 16
+    fake = FakeCuda(16 * GB)  # a T4
+    fake.alloc(1 * GB)  # the weights
+    peaks = []
+
+    def warmup():  # one step's activations: 2 GB at the peak, freed after
+        fake.alloc(2 * GB)
+        peaks.append(fake.peak)
+        fake.release(2 * GB)
+
+    def blocks(util=0.9, **kw):
+        return num_kv_blocks_for(cfg, 16, torch.float16, gpu, None, util, warmup, cuda=fake, **kw)
+
+    first = blocks()
+    assert first == int((0.9 * 16 - 1 - 2) * GB) // per_block and peaks == [3 * GB]
+    # an engine dropped: its pool is still cached by PyTorch, and the next engine still gets the same room
+    fake.alloc(first * per_block)
+    fake.release(first * per_block)
+    assert blocks() == first
+    # the rule before, free - (1 - util) x total with PyTorch's cache counted as in use, found no room for the
+    # second engine (an H200 said "the KV cache budget (-19,365,887 bytes) holds no block")
+    before = FakeCuda(16 * GB)
+    before.alloc(1 * GB)
+    old_rule = lambda: int(before.mem_get_info(gpu)[0] - 0.1 * before.total) // per_block  # noqa: E731
+    pool = old_rule() * per_block
+    before.alloc(pool)
+    before.release(pool)
+    assert pool > 0 and old_rule() <= 0
+    # two engines alive: the second sees the first's pool in use (a fixed budget each is the way to share)
+    fake.alloc(first * per_block)
+    with pytest.raises(ValueError, match=r"in use .* holds no block of 4,096 bytes"):
+        blocks()
+    assert num_kv_blocks_for(cfg, 16, torch.float16, gpu, 1 * GB, 0.9, warmup, cuda=fake) == GB // per_block
+    assert kv_cache_budget(total=100, free=60, peak=30, current=20, utilization=0.9) == 90 - 40 - 10
+
+
+def test_a_pool_too_small_for_max_model_len_names_the_numbers(tiny_folder):
+    from minivllm.engine import LLMEngine
+    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+
+    model, tok = load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
+    with pytest.raises(ValueError, match=r"max_model_len=400 is more than the KV cache holds \(8 blocks x 16 tokens"):
+        LLMEngine(model, tok, num_kv_blocks=8, max_model_len=400)

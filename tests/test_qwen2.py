@@ -1008,3 +1008,26 @@ def test_packing_refuses_non_cpu_or_unsupported_gracefully():
         x = torch.randn(3, 5, 4)
         ref = m(x)
         assert qwen2.pack_linears(m) == 1 and torch.allclose(m(x), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "cap,auto,bf16",
+    [((7, 0), torch.float16, None), ((7, 5), torch.float16, None), ((8, 0), torch.bfloat16, torch.bfloat16),
+     ((9, 0), torch.bfloat16, torch.bfloat16)],
+    ids=["V100", "T4", "A100", "H200"],
+)
+def test_dtype_rule_on_gpus_of_each_capability(monkeypatch, cap, auto, bf16):
+    # is_bf16_supported() answers True on a T4 (emulation): the rule reads the capability instead
+    from minivllm.qwen2 import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = torch.device("cuda")
+    assert resolve_dtype("auto", gpu) == resolve_dtype(None, gpu) == auto
+    assert resolve_dtype("float16", gpu) == torch.float16 and resolve_dtype("float32", gpu) == torch.float32
+    if bf16 is None:
+        with pytest.raises(ValueError, match=rf"compute capability {cap[0]}\.{cap[1]}.*--dtype=half"):
+            resolve_dtype("bfloat16", gpu)
+    else:
+        assert resolve_dtype("bfloat16", gpu) == bf16
