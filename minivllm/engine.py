@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +47,10 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
 
 # %% auto #0
 __all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob',
-           'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'detokenize_incrementally',
-           'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch', 'ModelRunner', 'make_decoder',
-           'uses_cuda_graphs', 'EngineStats', 'StepRecord', 'warmup_step', 'LLMEngine', 'release_free_memory', 'LLM',
-           'main']
+           'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'nucleus_rows', 'draw_tokens',
+           'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch',
+           'ModelRunner', 'make_decoder', 'uses_cuda_graphs', 'EngineStats', 'StepRecord', 'warmup_step', 'LLMEngine',
+           'release_free_memory', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -287,6 +287,122 @@ def _logprobs(self: Sampler, raw_lp: torch.Tensor, token: int, k: int) -> dict[i
     return out
 
 
+
+# %% ../nbs/04_engine.ipynb #61bbf9a3
+def _pairs(rows: Iterable[int], ids: Iterable[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    "(row, token) index pairs as two tensors on `dev`, in one pinned copy."
+    both = to_device(torch.tensor([list(rows), list(ids)], dtype=torch.long), dev)  # [2, n]
+    return both[0], both[1]
+
+
+def _penalized(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+    "`apply_penalties` and the min_tokens bans of every row at once: a copy where any row has one."
+    rep: list[tuple[int, int, float]] = []  # (row, token, penalty): repetition
+    cnt: list[tuple[int, int]] = []  # (row, token) of each output token: frequency and presence
+    ban: list[tuple[int, int]] = []  # (row, token): not before min_tokens
+    freq, pres = [0.0] * len(seqs), [0.0] * len(seqs)
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen = sorted(set(s.prompt_token_ids) | set(s.output_token_ids))
+            rep += [(i, t, p.repetition_penalty) for t in seen]
+        if (p.frequency_penalty or p.presence_penalty) and s.output_token_ids:
+            cnt += [(i, t) for t in s.output_token_ids]
+            freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
+        if s.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+            ban += [(i, t) for t in banned]
+    if not (rep or cnt or ban):
+        return logits
+    x, dev = logits.clone(), logits.device
+    if rep:
+        r, t = _pairs([i for i, _, _ in rep], [t for _, t, _ in rep], dev)
+        pen, v = to_device(torch.tensor([q for _, _, q in rep]), dev), x[r, t]
+        x[r, t] = torch.where(v > 0, v / pen, v * pen)
+    if cnt:
+        r, t = _pairs(*zip(*cnt), dev)
+        counts = torch.zeros_like(x).index_put_((r, t), torch.ones_like(t, dtype=x.dtype), accumulate=True)
+        f, q = (to_device(torch.tensor(v), dev)[:, None] for v in (freq, pres))  # [B, 1] each
+        x -= f * counts + q * (counts > 0).float()
+    if ban:
+        x[_pairs(*zip(*ban), dev)] = float("-inf")
+    return x
+
+
+# %% ../nbs/04_engine.ipynb #89e6698b
+def nucleus_rows(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    "`nucleus` of every row [R, V] at its own top_p [R], by one sort of all rows (no host sync)."
+    probs, idx = x.softmax(-1).sort(-1, descending=True)  # [R, V] each
+    drop = probs.cumsum(-1) - probs >= top_p[:, None]
+    return x.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
+
+
+def _filtered(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    "`filter_logits` of every row [R, V] at once, after dividing each by its temperature."
+    dev, V = x.device, x.shape[-1]
+    x = x / to_device(torch.tensor([p.temperature for p in params]), dev)[:, None]
+    ks = [p.top_k if p.top_k and p.top_k < V else V for p in params]
+    if min(ks) < V:  # each row keeps what reaches its own k-th largest value (ties included)
+        top = torch.topk(x, max(k for k in ks if k < V)).values  # [R, kmax]
+        kth = top.gather(1, to_device(torch.tensor([min(k, top.shape[1]) - 1 for k in ks]), dev)[:, None])
+        cut = to_device(torch.tensor([k < V for k in ks]), dev)[:, None]
+        x = x.masked_fill(cut & (x < kth), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        if x.device.type == "cpu":  # candidates before a sort: cheaper on a CPU, where waiting costs nothing
+            x = torch.stack([nucleus(r, p.top_p) if p.top_p < 1.0 else r for r, p in zip(x, params)])
+        else:
+            x = nucleus_rows(x, to_device(torch.tensor([min(p.top_p, 2.0) for p in params]), dev))
+    if any(p.min_p > 0.0 for p in params):
+        probs = x.softmax(-1)
+        min_p = to_device(torch.tensor([p.min_p for p in params]), dev)[:, None]
+        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return x
+
+
+def _first_above_rows(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    "`_first_above` of every row: cdf [R, n], u [R] -> index [R] (past the end: where the total is reached)."
+    i = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())[:, 0]
+    return torch.where(i >= cdf.shape[-1], last, i).clamp(max=cdf.shape[-1] - 1)
+
+
+def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "`draw_token` of every row [R, V] with its uniform number u [R] (float64): tokens [R], finite [R]."
+    R, V = probs.shape
+    pad = -V % DRAW_CHUNK
+    chunks = (F.pad(probs, (0, pad)) if pad else probs).view(R, -1, DRAW_CHUNK)  # [R, C, 128]
+    cdf = chunks.sum(-1).double().cumsum(-1)  # [R, C]: the mass up to the end of each chunk
+    total = cdf[:, -1]  # [R]
+    finite = torch.isfinite(total)
+    u = u * torch.where(finite, total, 0.0)  # [R] in [0, total)
+    c = _first_above_rows(cdf, u)  # [R]: the chunk, then the token inside it
+    before = torch.where(c > 0, cdf.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)  # [R]
+    inside = chunks[torch.arange(R, device=probs.device), c].cumsum(-1, dtype=torch.float64) + before[:, None]
+    return c * DRAW_CHUNK + _first_above_rows(inside, u), finite
+
+
+# %% ../nbs/04_engine.ipynb #81f4ba46
+@patch
+def _logprobs_rows(
+    self: Sampler, logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]
+) -> list[dict[int, Logprob]]:
+    "`_logprobs` of the rows that ask (their sampled `tokens`), computed at once, read back in one transfer."
+    lp = torch.log_softmax(logits[rows], -1)  # [L, V] the raw distributions
+    chosen = lp.gather(1, to_device(torch.tensor(tokens), lp.device)[:, None])  # [L, 1]
+    rank = (lp > chosen).sum(-1, keepdim=True)  # [L, 1]: tokens strictly more likely
+    top = torch.topk(lp, max(max(ks), 1))  # [L, kmax]
+    packed = torch.cat([chosen.double(), rank.double(), top.values.double(), top.indices.double()], 1)
+    packed = packed.tolist()  # [L, 2 + 2 kmax]: one transfer
+    out = []
+    for row, k, t in zip(packed, ks, tokens):
+        d = {t: Logprob(row[0], int(row[1]) + 1)}
+        kmax = (len(row) - 2) // 2
+        for r in range(k):
+            d.setdefault(int(row[2 + kmax + r]), Logprob(row[2 + r], r + 1))
+        out.append(d)
+    return out
+
+
 @patch
 def __call__(
     self: Sampler,
@@ -295,23 +411,29 @@ def __call__(
     generators: list[torch.Generator | None],
     eos_ids: list[int],
 ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
-    "logits: [B, V] float32 -> (token per row, None where not finite; logprobs per row or None)."
-    tokens: list[int | None] = [None] * len(seqs)
-    only_argmax = [_argmax_only(s) for s in seqs]
-    plain = [i for i, f in enumerate(only_argmax) if f]
-    if plain:
-        best, idx = (logits if len(plain) == len(seqs) else logits[plain]).max(-1)  # [P], [P]
-        for i, ok, t in zip(plain, torch.isfinite(best).tolist(), idx.tolist()):
-            tokens[i] = t if ok else None
-    for i in (i for i, f in enumerate(only_argmax) if not f):
-        tokens[i] = self._sample_row(logits[i], seqs[i], generators[i], eos_ids)
-    want = [s.params.logprobs is not None and t is not None for s, t in zip(seqs, tokens)]
-    raw_lp = torch.log_softmax(logits, -1) if any(want) else None  # [B, V]
-    lps = [
-        self._logprobs(raw_lp[i], t, s.params.logprobs) if w else None
-        for i, (s, t, w) in enumerate(zip(seqs, tokens, want))
-    ]
-    return tokens, lps
+    "logits: [B, V] float32 -> (token per row, None where not finite; logprobs per row or None). One sync."
+    x = _penalized(logits, seqs, eos_ids)  # [B, V]
+    tokens = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
+    finite = torch.ones(len(seqs), dtype=torch.bool, device=logits.device)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy:
+        best, tokens[greedy] = x[greedy].max(-1) if len(greedy) < len(seqs) else x.max(-1)
+        finite[greedy] = torch.isfinite(best)
+    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if drawn:
+        probs = _filtered(x[drawn], [seqs[i].params for i in drawn]).softmax(-1)  # [R, V]
+        u = torch.stack([torch.rand((), generator=generators[i] or self.generator, dtype=torch.float64,
+                                    device=logits.device) for i in drawn])  # fmt: skip
+        tokens[drawn], finite[drawn] = draw_tokens(probs, u)
+    got = torch.where(finite, tokens, -1).tolist()  # the one wait for the device
+    want = [i for i, (s, t) in enumerate(zip(seqs, got)) if s.params.logprobs is not None and t >= 0]
+    lps: list[dict[int, Logprob] | None] = [None] * len(seqs)
+    if want:
+        ks = [seqs[i].params.logprobs for i in want]
+        for i, d in zip(want, self._logprobs_rows(logits, want, [got[i] for i in want], ks)):
+            lps[i] = d
+    return [t if t >= 0 else None for t in got], lps
+
 
 # %% ../nbs/04_engine.ipynb #0dd0b9be
 def detokenize_incrementally(

@@ -881,3 +881,49 @@ def test_structured_output_cut_by_max_tokens_is_length(tiny):
     sp = SamplingParams(temperature=0, max_tokens=3, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     out = llm(tiny).generate("json please", sp, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3 and out.text.startswith("{")
+
+
+def mixed_rows(V: int = 300):
+    "Eight rows of every kind the sampler knows, with their logits and seeded generators."
+    torch.manual_seed(5)
+    logits = torch.randn(8, V) * 3
+    seqs = [mk(temperature=0), mk(temperature=0, repetition_penalty=1.3), mk(temperature=0.8, seed=11),
+            mk(temperature=0.9, top_p=0.8), mk(temperature=1.2, top_k=5, min_p=0.05),
+            mk(temperature=0.7, frequency_penalty=0.5, presence_penalty=0.3, seed=3),
+            mk(min_tokens=5, temperature=0.6), mk(temperature=1.0, top_k=40, top_p=0.9, logprobs=2)]
+    for s in seqs:
+        s.output_token_ids.extend([3, 4, 4])
+    return logits, seqs
+
+
+def gens(seqs):
+    return [torch.Generator().manual_seed(s.params.seed) if s.params.seed is not None else None for s in seqs]
+
+
+def test_batched_sampler_gives_the_row_by_row_tokens():
+    # the same algorithm on all rows at once: the same uniform numbers, in row order, give the same tokens
+    logits, seqs = mixed_rows()
+    for trial in range(5):
+        batched, lps = Sampler(trial)(logits, seqs, gens(seqs), eos_ids=[7])
+        ref_sampler, ref_gens = Sampler(trial), gens(seqs)
+        one_by_one = [ref_sampler._sample_row(logits[i], s, ref_gens[i], [7]) for i, s in enumerate(seqs)]
+        assert batched == one_by_one
+        assert lps[7] is not None and len(lps[7]) >= 1 and all(lp is None for lp in lps[:7])
+        raw = torch.log_softmax(logits[7], -1)
+        assert lps[7][batched[7]].logprob == pytest.approx(float(raw[batched[7]]), abs=1e-6)
+
+
+def test_batched_sampler_waits_for_the_device_once(monkeypatch):
+    # host reads of a tensor (each a wait for the GPU there) during one call: .tolist, .item, bool, int, float
+    logits, seqs = mixed_rows()
+    calls = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        orig = getattr(torch.Tensor, name)
+        spy = lambda self, *a, _f=orig, _n=name, **k: calls.append(_n) or _f(self, *a, **k)  # noqa: E731
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    no_logprobs = [s for s in seqs if s.params.logprobs is None]
+    Sampler(0)(logits[: len(no_logprobs)], no_logprobs, gens(no_logprobs), eos_ids=[7])
+    assert calls == ["tolist"]
+    calls.clear()
+    Sampler(0)(logits, seqs, gens(seqs), eos_ids=[7])  # with a logprobs row: one more, for all of them
+    assert calls == ["tolist", "tolist"]
