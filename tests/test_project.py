@@ -73,7 +73,7 @@ def test_index_links_every_notebook():
     missing = [nb.name for nb in sorted((ROOT / "nbs").glob("[0-9]*.ipynb")) if f"(nbs/{nb.name})" not in index]
     assert not missing, f"index.ipynb's notebook map has no link to {missing}"
 
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
 
 def test_index_counts_the_notebooks():
     count = len(list((ROOT / "nbs").glob("[0-9]*.ipynb")))
@@ -83,26 +83,28 @@ def test_index_counts_the_notebooks():
     assert said.group(1) == NUMBERS[count], f"README.md says {said.group(1)} notebooks; nbs/ holds {count}"
 
 def test_readme_performance_figures_are_the_committed_results():
+    # the tables are generated from nbs/results: every figure of each run is quoted, with its machine and date
     from minivllm.bench import cpu_summary
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     perf = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    assert len(perf.strip().splitlines()) <= 25, "the README's Performance section is one short table per machine"
     res = {p.stem: json.loads(p.read_text()) for p in (ROOT / "nbs" / "results").glob("*.json")}
-    cpu = res["cpu_compare"]
-    assert not cpu.get("preliminary"), "the README must not quote a smoke run"
-    assert f"{cpu['machine']['cores']}-core {cpu['machine']['cpu']}" in perf  # which CPU the table is from
     figures = []
-    for r in cpu_summary(cpu):  # every cell of the table: ours / transformers and ours / llama-server
-        figures += [f"{r['vs_hf']:.2f}x", f"{r['vs_llama']:.2f}x"]
-    figures += [f"{r['speedup']:.2f}x" for r in res["offline_float32"]["rows"] if r["concurrency"] in (1, 16, 64)]
-    prof = res["profile_float32"]
-    one, roof = prof["profiles"][0], prof["bandwidth_gb_s"] * 1e9 / prof["decode_bytes"]
-    figures += [f"{100 * one['tok_per_s'] / roof:.0f}% of the", f"({one['tok_per_s']:.1f} of {roof:.1f} tokens/s)"]
-    shared = res["features"]["shared_prefix"]
-    figures += [f"{shared['off']['mean_ttft_s']:.1f} s → {shared['on']['mean_ttft_s']:.1f} s"]
-    figures += [f"{100 * shared['on']['hit_tokens'] / shared['on']['queried_tokens']:.0f}% of the prompt tokens"]
+    for name in ("cpu_compare", "cpu_compare_amx", "cpu_compare_avx2"):
+        assert not res[name].get("preliminary"), "the README must not quote a smoke run"
+        figures.append(f"{res[name]['machine']['cpu']} (")
+        figures.append(res[name]["machine"]["date"][:10])
+        for r in cpu_summary(res[name]):
+            if r["mode"] in ("float32", "int4"):
+                figures += [f"{r['vs_hf']:.2f}x", f"{r['vs_llama']:.2f}x"]
+    gpu = res["gpu_check_h200"]
+    figures += [gpu["machine"]["cuda"], gpu["machine"]["date"][:10]]
+    figures += [f"{r['ours']['tok_s']:,.0f} | {r['transformers_tok_s']:,.0f} | {r['ratio']:.2f}x" for r in gpu["throughput"]["rows"]]
     missing = [f for f in figures if f not in perf]
     assert not missing, f"README.md's Performance section does not quote these figures of nbs/results: {missing}"
+    history = ["that afternoon", "the run before", "not yet measured", "earlier still", "of that afternoon"]
+    assert not [h for h in history if h in readme], "the README tells no history of runs"
 
 # The notebook tools: outputs without progress bars, and a check that every cell that shows something has them
 

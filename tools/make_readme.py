@@ -29,11 +29,48 @@ def cell_to_markdown(cell: dict) -> str:
         if text: blocks.append("```\n" + "".join(text).rstrip("\n") + "\n```")
     return "\n\n".join(blocks)
 
+PERFORMANCE = "<!-- performance: generated from nbs/results by tools/make_readme.py -->"
+CPU_RUNS = {"cpu_compare_avx2": "AVX2", "cpu_compare": "AVX-512, AVX512-BF16", "cpu_compare_amx": "AVX-512, AMX"}
+
+def _x(v) -> str:
+    "A ratio as the tables print it ('-' where there is none)."
+    return "-" if v is None else f"{v:.2f}x"
+
+def cpu_table(results: Path) -> list[str]:
+    "float32 and int4 of each CPU run: ours over transformers (offline) and over llama-server (served)."
+    from minivllm.bench import cpu_summary
+    lines = ["| CPU (2 cores), run | mode | / transformers, c=1 | c=16 | c=64 | / llama-server, c=1 | c=16 | c=64 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, isa in CPU_RUNS.items():
+        res = json.loads((results / f"{name}.json").read_text())
+        m = res["machine"]
+        rows = {(r["mode"], r["concurrency"]): r for r in cpu_summary(res)}
+        for mode in ("float32", "int4"):
+            cells = [_x(rows[mode, c]["vs_hf"]) for c in (1, 16, 64)] + [_x(rows[mode, c]["vs_llama"]) for c in (1, 16, 64)]
+            lines.append(f"| {m['cpu']} ({isa}), {m['date'][:10]} | {mode} | " + " | ".join(cells) + " |")
+    return lines
+
+def gpu_table(results: Path) -> list[str]:
+    "The GPU check: ours and transformers' generate on the same GPU and dtype, and nano-vllm's workload."
+    res = json.loads((results / "gpu_check_h200.json").read_text())
+    m, tp = res["machine"], res["throughput"]
+    lines = [f"**{m['cuda']}** ({m['date'][:10]}, `tools/gpu_check.py`, a stand-in with the bundled model's shapes and "
+             f"random weights, {tp['dtype']}, CUDA graphs; output tokens/s):", "",
+             "| concurrent requests | mini-vLLM | transformers `generate` | ratio |", "|---|---|---|---|"]
+    for r in tp["rows"]:
+        lines.append(f"| {r['concurrency']} | {r['ours']['tok_s']:,.0f} | {r['transformers_tok_s']:,.0f} | {r['ratio']:.2f}x |")
+    return lines
+
+def performance(results: Path = ROOT / "nbs" / "results") -> str:
+    "The tables that replace PERFORMANCE in index.ipynb, from the committed results."
+    return "\n".join(cpu_table(results) + [""] + gpu_table(results))
+
 def render(nb_path: Path = ROOT / "index.ipynb") -> str:
     "README.md's text for the notebook at `nb_path`."
     nb = json.loads(Path(nb_path).read_text(encoding="utf-8"))
     parts = [HEADER] + [md for md in map(cell_to_markdown, nb["cells"]) if md]
-    return "\n\n".join(parts) + "\n"
+    text = "\n\n".join(parts) + "\n"
+    return text.replace(PERFORMANCE, performance()) if PERFORMANCE in text else text
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
