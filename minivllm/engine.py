@@ -86,8 +86,9 @@ class EngineArgs:
     )
     dtype: str | None = _opt(
         "auto",
-        "float32, bfloat16, float16 or auto: bfloat16 on CUDA (float16 before Ampere) and on CPUs with "
-        "AMX or AVX512-BF16, float32 on other CPUs",
+        "float32, bfloat16, float16 or auto: on CUDA bfloat16 from compute capability 8.0 (Ampere), "
+        "float16 below (T4, V100: bfloat16 is refused there); on the CPU bfloat16 with AMX or AVX512-BF16, "
+        "else float32",
     )
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     block_size: int = _opt(16, "tokens per KV cache block")
@@ -671,14 +672,15 @@ class StepRecord:
 
 # %% ../nbs/04_engine.ipynb #91288ecc
 @torch.inference_mode()
-def warmup_step(model: Qwen2ForCausalLM, num_tokens: int, num_seqs: int) -> None:
-    "A full step's forward without a cache: `num_tokens` tokens of one prompt, logits for `num_seqs` rows."
+def warmup_step(model: Qwen2ForCausalLM, num_tokens: int, num_seqs: int, max_len: int) -> None:
+    "One step's forward without a paged cache: `num_tokens` tokens in prompts of `max_len` at most."
     dev = model.lm_head.weight.device
-    n = min(num_tokens, model.config.max_position_embeddings)
-    ids, pos = torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)  # [n] each
-    hidden = model(ids, pos, ContiguousKVCache(model.config.num_hidden_layers).batch([0], [n]))  # [n, hidden]
+    lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len] * (num_tokens % max_len > 0)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)  # [num_tokens]
+    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)  # [num_tokens]: each prompt from position 0
+    meta = ContiguousKVCache(model.config.num_hidden_layers).batch(list(range(len(lens))), lens)
+    hidden = model(ids, pos, meta)  # [num_tokens, hidden]
     model.compute_logits(hidden[-1:].expand(num_seqs, -1))  # [num_seqs, V] float32, as the sampler gets them
-
 
 # %% ../nbs/04_engine.ipynb #7899dea3
 class LLMEngine:
@@ -697,10 +699,12 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         cfg, w = model.config, model.lm_head.weight
         num_blocks = a.num_kv_blocks
-        if num_blocks is None:
-            warm = functools.partial(warmup_step, model, a.max_num_batched_tokens, a.max_num_seqs)
+        if num_blocks is None:  # from the memory budget (CUDA: around a warm-up step, for the activations)
+            max_len = a.max_model_len or cfg.max_position_embeddings
+            warm = functools.partial(warmup_step, model, a.max_num_batched_tokens, a.max_num_seqs, max_len)
+            mem, util = a.kv_cache_memory, a.gpu_memory_utilization
             num_blocks = num_kv_blocks_for(
-                cfg, a.block_size, w.dtype, w.device, a.kv_cache_memory, a.gpu_memory_utilization, warm
+                cfg, a.block_size, w.dtype, w.device, mem, util, warm, max_model_len=a.max_model_len
             )
         graphs = uses_cuda_graphs(a, w.device)  # then the pool's last block is the graphs' scratch
         self.block_manager = BlockManager(num_blocks - graphs, a.block_size, a.enable_prefix_caching)
@@ -860,25 +864,38 @@ def has_unfinished_requests(self: LLMEngine) -> bool:
 # %% ../nbs/04_engine.ipynb #ef89bd6c
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
-    "Schedule, run the model, sample, update; returns the requests that progressed."
+    "Schedule, run the model and sample, update; returns the requests that progressed."
     t0 = time.perf_counter()
     batch = self.scheduler.schedule()  # 1. schedule
     if not batch.items:
         return []
-    if self._greedy_batch(batch.sampling):  # 2-3. the head's exact arg-max, where every row wants only that
-        sampled, failed = self._take(batch.sampling, self.runner.run_argmax(batch))
-    else:
-        logits = self.runner.run(batch)  # 2. run: a row of logits per sequence in batch.sampling
-        sampled, failed = self._sample(batch.sampling, logits)  # 3. sample (forks share their parent's row)
+    sampled, failed = self._run_and_sample(batch)  # 2-3. a token per sequence of batch.sampling
     self.scheduler.update(batch, sampled)  # 4. update: counts, tokens, forks, token stops
     outputs = self._outputs(batch, sampled, failed)  # 5. detokenize, stop strings, what is new
-    self.num_steps += 1
-    if self.log_steps:
-        self._log(batch, time.perf_counter() - t0)
-    self.release_memory()  # 6. hand the C heap's free pages back to the OS, when idle or now and then
+    self._account(batch, time.perf_counter() - t0)  # 6. counters, the step log, memory back to the system
     return outputs
 
+
 # %% ../nbs/04_engine.ipynb #5c123d36
+@patch
+def _run_and_sample(
+    self: LLMEngine, batch: ScheduledBatch
+) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    "Run the model and sample: the head's arg-max where every row wants only that, else the sampler."
+    if self._greedy_batch(batch.sampling):
+        return self._take(batch.sampling, self.runner.run_argmax(batch))
+    return self._sample(batch.sampling, self.runner.run(batch))  # forks share their parent's row
+
+
+@patch
+def _account(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
+    "After a step: count it, log it (`log_steps`), give the C heap's free pages back now and then."
+    self.num_steps += 1
+    if self.log_steps:
+        self._log(batch, seconds)
+    self.release_memory()
+
+
 @patch
 def _sample(
     self: LLMEngine, seqs: list[Sequence], logits: torch.Tensor
