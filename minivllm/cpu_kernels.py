@@ -13,13 +13,16 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from ctypes import c_float, c_int, c_void_p
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,24 +33,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
+import minivllm
 from .qwen2 import PackedLinear, RMSNorm, apply_rotary, cache_dir, packing_supported, row_bucket
 
 log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'C_COMMON', 'INT4_C', 'INT4_ISAS', 'C_FLAGS', 'SHORTLIST',
-           'F32_C', 'F32_ISAS', 'NORM_C', 'Kernel', 'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN',
-           'TWO_LAYOUTS_SHARE', 'HEAD_C', 'GREEDY_SHORTLIST', 'PLANS_VERSION', 'cpuinfo', 'cpu_flags', 'cpu_has_bf16',
-           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
-           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'int4_supported', 'Int4Linear', 'isas_here', 'isa_here', 'int4_isas', 'build_library',
-           'declare', 'int4_library', 'int4_int8_supported', 'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead',
-           'f32_library', 'f32_supported', 'f32_blocks', 'F32Linear', 'norm_library', 'CRMSNorm', 'prepare_norms',
-           'c_rotary', 'kernel_candidates', 'time_kernels', 'weight_bytes', 'layout_of', 'plan_of', 'plan_name',
-           'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets',
-           'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head', 'KernelReport', 'machine_key', 'plan_key',
-           'PlanCache', 'prepare_linears']
+__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'CSRC', 'IsaTable', 'PORTABLE', 'C_FLAGS', 'CFunctions',
+           'INT4_ISAS', 'INT4_FUNCTIONS', 'SHORTLIST', 'F32_ISAS', 'F32_FUNCTIONS', 'NORM_FUNCTIONS', 'Kernel',
+           'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'HEAD_FUNCTIONS', 'GREEDY_SHORTLIST',
+           'PLANS_VERSION', 'cpuinfo', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight', 'quantized_once',
+           'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows', 'onednn_int8_supported',
+           'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4', 'dequantize_int4', 'int4_supported', 'Int4Linear',
+           'c_lines', 'show_c', 'isas_here', 'isa_here', 'CBuildError', 'c_compiler', 'sources_digest',
+           'compile_kernels', 'c_library', 'run_selftests', 'passed_selftests', 'declare', 'build_library', 'int4_isas',
+           'int4_library', 'int4_int8_supported', 'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead', 'f32_library',
+           'f32_supported', 'f32_blocks', 'F32Linear', 'norm_library', 'CRMSNorm', 'prepare_norms', 'c_rotary',
+           'kernel_candidates', 'time_kernels', 'weight_bytes', 'layout_of', 'plan_of', 'plan_name', 'choose_kernel',
+           'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets', 'kernels_of',
+           'head_library', 'GreedyHead', 'use_greedy_head', 'KernelReport', 'machine_key', 'plan_key', 'PlanCache',
+           'prepare_linears']
 
 # %% ../nbs/01b_cpu_kernels.ipynb #b850606f
 def cpuinfo() -> dict[str, str]:
@@ -315,261 +321,67 @@ def forward(self: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 def extra_repr(self: Int4Linear) -> str:
     return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
-# %% ../nbs/01b_cpu_kernels.ipynb #c17b5029
-C_COMMON = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float value(const void* x, int bf16, long i) {  // element i of a float32 or bfloat16 array
-  if (!bf16) return ((const float*)x)[i];
-  uint32_t u = (uint32_t)((const uint16_t*)x)[i] << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-INLINE void put(void* y, int bf16, long i, float f) {  // element i of a float32 or bfloat16 array
-  if (!bf16) { ((float*)y)[i] = f; return; }
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  ((uint16_t*)y)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  // to nearest, ties to even
-}
-"""  # what every C source of ours starts with
-
-INT4_C = (
-    C_COMMON
-    + r"""
-#include <immintrin.h>
-
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define AVX2 __attribute__((target("avx2,fma")))
-
-// Every 32 activations of a row to int8 levels with their own step d (the group's largest |x| / 127);
-// s = d * the sum of the group's levels, which the weights' offsets multiply.
-static void quantize_rows(const void* x, int bf16, int M, int K, int8_t* xq, float* d, float* s) {
-  int G = K / 32;
-  for (int r = 0; r < M; r++)
-    for (int g = 0; g < G; g++) {
-      long at = (long)r * K + g * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(value(x, bf16, at + i)));
-      float inv = amax > 0 ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int i = 0; i < 32; i++) {
-        int q = (int)nearbyintf(value(x, bf16, at + i) * inv);  // to nearest, ties to even
-        q = q > 127 ? 127 : q < -127 ? -127 : q;
-        xq[at + i] = (int8_t)q;
-        sum += q;
-      }
-      d[r * G + g] = amax / 127.f;
-      s[r * G + g] = amax / 127.f * (float)sum;
-    }
-}
-
-// ---- AVX-512 VNNI: 16 channels a vector.
-// R rows (at most 4) against one block of 16 output channels, accumulated in acc[R] (16 floats each).
-// Per group of 32 inputs: four 64-byte loads of levels, each 16 channels x 8 inputs (low nibbles: inputs
-// 0-3, high: 4-7); vpdpbusd multiplies 64 unsigned levels by 4 int8 activations broadcast to every channel
-// and adds each channel's four products into its int32 lane. Then, in float:
-// y += d * scale * dot + s * offset.
-AVX512 INLINE void rows_vnni(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
-                             const float* s, int R, int K, __m512* acc) {
-  int G = K / 32;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  for (int g = 0; g < G; g++) {
-    __m512i dot[4];
-    for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; c++) {
-      _mm_prefetch((const char*)w + (g * 4 + c) * 64 + 4096, _MM_HINT_T0);  // 4 KB ahead: 25% faster
-      __m512i v = _mm512_loadu_si512(w + (g * 4 + c) * 64);
-      __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      for (int r = 0; r < R; r++) {
-        const int32_t* xk = (const int32_t*)(xq + (long)r * K + g * 32 + c * 8);
-        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(xk[0]));
-        dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(xk[1]));
-      }
-    }
-    _mm_prefetch((const char*)(sm + g * 32) + 1024, _MM_HINT_T0);
-    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sm + g * 32)));
-    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));  // bfloat16 to float32: a shift
-    bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sm + g * 32 + 16)));
-    __m512 offset = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    for (int r = 0; r < R; r++) {
-      __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), ds, acc[r]);
-      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * G + g]), acc[r]);
-    }
-  }
-}
-
-AVX512 static void tile_vnni(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
-                             const float* s, int R, int K, float* out) {  // out: R x 16 floats
-  __m512 acc[4] = {0};
-  switch (R) {  // R a constant in each call: the row loops unroll
-    case 1: rows_vnni(w, sm, xq, d, s, 1, K, acc); break;
-    case 2: rows_vnni(w, sm, xq, d, s, 2, K, acc); break;
-    case 3: rows_vnni(w, sm, xq, d, s, 3, K, acc); break;
-    default: rows_vnni(w, sm, xq, d, s, 4, K, acc);
-  }
-  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
-}
-
-// ---- AVX2: the same layout, 8 channels a vector. vpmaddubsw multiplies 32 unsigned levels by 32 int8
-// activations and adds pairs into 16-bit lanes (at most 2 * 15 * 127 each, 8 of them a group: no overflow);
-// vpmaddwd by ones then adds the pairs of those into each channel's int32 lane.
-AVX2 INLINE void rows_avx2(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
-                           const float* s, int R, int K, __m256* acc) {
-  int G = K / 32;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_ps();
-  for (int g = 0; g < G; g++) {
-    __m256i sum[8];  // [row][half of the 16 channels], 16-bit
-    for (int i = 0; i < 2 * R; i++) sum[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-      _mm_prefetch((const char*)w + (g * 4 + c) * 64 + 4096, _MM_HINT_T0);
-      for (int h = 0; h < 2; h++) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g * 4 + c) * 64 + h * 32));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; r++) {
-          const int32_t* xk = (const int32_t*)(xq + (long)r * K + g * 32 + c * 8);
-          __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xk[0]));
-          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xk[1])));
-          sum[r * 2 + h] = _mm256_add_epi16(sum[r * 2 + h], p);
-        }
-      }
-    }
-    for (int h = 0; h < 2; h++) {
-      __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sm + g * 32 + h * 8)));
-      __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-      bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sm + g * 32 + 16 + h * 8)));
-      __m256 offset = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-      for (int r = 0; r < R; r++) {
-        __m256i dot = _mm256_madd_epi16(sum[r * 2 + h], ones);
-        __m256 ds = _mm256_mul_ps(scale, _mm256_set1_ps(d[r * G + g]));
-        acc[r * 2 + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[r * 2 + h]);
-        acc[r * 2 + h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s[r * G + g]), acc[r * 2 + h]);
-      }
-    }
-  }
-}
-
-AVX2 static void tile_avx2(const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
-                           const float* s, int R, int K, float* out) {  // out: R x 16 floats
-  __m256 acc[8] = {0};
-  switch (R) {
-    case 1: rows_avx2(w, sm, xq, d, s, 1, K, acc); break;
-    case 2: rows_avx2(w, sm, xq, d, s, 2, K, acc); break;
-    case 3: rows_avx2(w, sm, xq, d, s, 3, K, acc); break;
-    default: rows_avx2(w, sm, xq, d, s, 4, K, acc);
-  }
-  for (int i = 0; i < 2 * R; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
-}
-
-typedef void (*tile_fn)(const uint8_t*, const uint16_t*, const int8_t*, const float*, const float*, int, int,
-                        float*);
-
-// All M rows against the block of 16 channels at `nb`, four rows at a time, into y (plus the bias).
-static void block(tile_fn tile, const uint8_t* w, const uint16_t* sm, const int8_t* xq, const float* d,
-                  const float* s, const float* bias, int M, int K, int N, int nb, int bf16, void* y) {
-  int G = K / 32;
-  for (int r0 = 0; r0 < M; r0 += 4) {
-    float out[64];
-    int R = M - r0 < 4 ? M - r0 : 4;
-    tile(w, sm, xq + (long)r0 * K, d + r0 * G, s + r0 * G, R, K, out);
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < 16; j++)
-        put(y, bf16, (long)(r0 + r) * N + nb * 16 + j, out[16 * r + j] + (bias ? bias[nb * 16 + j] : 0.f));
-  }
-}
-
-// y [M, N] = x [M, K] W^T + bias, in the instructions `isa` names (0: AVX-512 VNNI, 1: AVX2). W: int4 levels
-// `w` [N/16][K/8][16][4] bytes (two levels a byte) and bfloat16 `sm` [N/16][K/32][2][16] (each group's
-// scale, then its offset: a weight is level * scale + offset). x and y float32 or bfloat16 (`bf16`), bias
-// float32 or NULL. Returns 0, or -1 where memory ran out.
-int int4_linear(int isa, const void* x, int bf16, int M, int K, const uint8_t* w, const uint16_t* sm,
-                const float* bias, int N, void* y, int threads) {
-  int G = K / 32, NB = N / 16;
-  int8_t* xq = malloc((size_t)M * K + 1);
-  float* d = malloc(sizeof(float) * ((size_t)M * G * 2 + 1));
-  if (!xq || !d) { free(xq); free(d); return -1; }
-  float* s = d + (size_t)M * G;
-  quantize_rows(x, bf16, M, K, xq, d, s);
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int nb = 0; nb < NB; nb++) {
-    const uint8_t* wp = w + (long)nb * (K / 8) * 64;
-    const uint16_t* sp = sm + (long)nb * G * 32;
-    block(isa == 0 ? tile_vnni : tile_avx2, wp, sp, xq, d, s, bias, M, K, N, nb, bf16, y);
-  }
-  free(xq);
-  free(d);
-  return 0;
-}
-
-// 0 where `isa`'s kernel agrees with plain C on a small product: run once, in a child process, before first
-// use (a CPU that lists the flags but faults on the instructions kills the child, not the server).
-int int4_selftest(int isa) {
-  enum { M = 5, K = 64, N = 32, G = K / 32 };
-  static uint8_t w[N / 16 * K / 8 * 64];
-  static uint16_t sm[N / 16 * G * 32];
-  static float x[M * K], y[M * N], bias[N];
-  memset(w, 0, sizeof w);
-  for (int n = 0; n < N; n++) {
-    bias[n] = n / 8.f;
-    for (int g = 0; g < G; g++) {  // scales and offsets that bfloat16 holds exactly
-      float sc = (1 + (n + g) % 5) / 64.f, off = -((n * g) % 3) / 8.f;
-      uint32_t a, b;
-      memcpy(&a, &sc, 4);
-      memcpy(&b, &off, 4);
-      sm[((n / 16) * G + g) * 32 + n % 16] = a >> 16;
-      sm[((n / 16) * G + g) * 32 + 16 + n % 16] = b >> 16;
-    }
-    for (int k = 0; k < K; k++) {
-      uint8_t q = (n * 7 + k * 3) % 16;
-      uint8_t* at = w + (((n / 16) * (K / 8) + k / 8) * 16 + n % 16) * 4 + k % 4;
-      *at |= k % 8 < 4 ? q : q << 4;
-    }
-  }
-  for (int i = 0; i < M * K; i++) x[i] = ((i * 5) % 17 - 8) / 4.f;  // |x| <= 2
-  if (int4_linear(isa, x, 0, M, K, w, sm, bias, N, y, 1)) return 2;
-  for (int r = 0; r < M; r++)
-    for (int n = 0; n < N; n++) {
-      double want = bias[n], bound = 1e-3;
-      for (int k = 0; k < K; k++) {
-        int g = k / 32;
-        double sc = (1 + (n + g) % 5) / 64., off = -((n * g) % 3) / 8.;
-        double wt = ((n * 7 + k * 3) % 16) * sc + off;
-        want += wt * x[r * K + k];
-        bound += fabs(wt) * 2. / 127;  // int8 activations: each off by at most half a step of 2 / 127
-      }
-      if (fabs(y[r * N + n] - want) > bound) return 1;
-    }
-  return 0;
-}
-"""
-)
-# our kernels: the index `int4_linear` takes for each, and the CPU flags it needs (named as in /proc/cpuinfo)
-INT4_ISAS = {
-    "vnni": (0, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
-    "avx2": (1, frozenset({"avx2", "fma"})),
-}
-C_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # each kernel names its instructions itself
-_SELFTEST = (  # argv: the library, then `function:isa` for each self-test to run
-    "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
-    "sys.exit(max(getattr(lib, f)(int(i)) for f, i in (a.split(':') for a in sys.argv[2:])))"
-)
+# %% ../nbs/01b_cpu_kernels.ipynb #fb065b14
+CSRC = Path(minivllm.__file__).parent / "csrc"  # our C: common.h and a .c per family of kernels
 
 
-def isas_here(table: dict[str, tuple[int, frozenset]]) -> list[str]:
+def _defines(line: str, name: str) -> bool:
+    "Whether C `line` starts the definition of `name`: a macro, or a function or type at the margin."
+    if line.startswith("#define"):
+        return re.match(rf"#define {name}\b", line) is not None
+    at_margin = not line[:1].isspace() and not line.startswith("//")
+    return at_margin and re.search(rf"\b{name}\)?\(", line) is not None
+
+
+def _end(lines: list[str], start: int, name: str) -> int:
+    "The line after the definition that starts at `start`: its closing brace, `;`, or a macro's last line."
+    if lines[start].startswith("#define"):
+        end = start
+        while lines[end].endswith("\\"):
+            end += 1
+        end += 1
+        while end < len(lines) and lines[end].startswith(f"{name}("):  # the macro's uses, just below it
+            end += 1
+        return end
+    depth, opened = 0, False
+    for end in range(start, len(lines)):
+        code = lines[end].split("//")[0]
+        depth += code.count("{") - code.count("}")
+        opened = opened or "{" in code
+        if (opened and depth == 0) or (not opened and code.rstrip().endswith(";")):
+            return end + 1
+    raise ValueError(f"the definition of {name!r} at line {start + 1} does not end")
+
+
+def c_lines(file: str, name: str) -> tuple[int, int]:
+    "Lines [first, end) of `CSRC/file` that define C `name`, with the comments and attributes just above it."
+    lines = (CSRC / file).read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if _defines(line, name)), None)
+    if start is None:
+        raise ValueError(f"{file} defines no {name!r}")
+    first = start
+    while first and lines[first - 1].startswith(("//", "__attribute__")):
+        first -= 1
+    return first, _end(lines, start, name)
+
+
+def show_c(file: str, *names: str) -> None:
+    "Print the definitions `names` of `CSRC/file` (the whole file if none), each under its place in the file."
+    lines = (CSRC / file).read_text().splitlines()
+    spans = [c_lines(file, n) for n in names] or [(0, len(lines))]
+    print("\n\n".join("\n".join([f"// {file}:{first + 1}-{end}", *lines[first:end]]) for first, end in spans))
+
+# %% ../nbs/01b_cpu_kernels.ipynb #41786d12
+IsaTable = dict[str, tuple[int, frozenset]]  # a family's variants: name -> (index its C takes, CPU flags)
+PORTABLE = {"c": (0, frozenset())}  # a family whose functions are `target_clones`: every x86-64 CPU runs it
+
+
+def isas_here(table: IsaTable) -> list[str]:
     "The kernels of `table` (name -> (index, CPU flags)) whose instructions this CPU lists, best first."
     return [name for name, (_, flags) in table.items() if flags <= cpu_flags()]
 
 
-def isa_here(table: dict[str, tuple[int, frozenset]], isa: str | None, kind: str) -> str:
+def isa_here(table: IsaTable, isa: str | None, kind: str) -> str:
     "`isa` if this CPU runs it (None: the best it runs); a clear error, never an illegal instruction, if not."
     here = isas_here(table)
     if isa is None and here:
@@ -583,70 +395,164 @@ def isa_here(table: dict[str, tuple[int, frozenset]], isa: str | None, kind: str
         raise ValueError(f"this CPU cannot run our {kind} kernel {isa!r}: it lacks {need} (it runs {here})")
     return isa
 
+# %% ../nbs/01b_cpu_kernels.ipynb #b5f70787
+C_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra")  # no -march: the functions name theirs
+
+
+class CBuildError(Exception):
+    "Our C library cannot be had: the compiler failed."
+
+
+def c_compiler() -> str | None:
+    "The C compiler to build with: `$CC`, or `cc`, on the PATH; None where there is none."
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def sources_digest() -> str:
+    "A digest of our C: the name and text of every file in `CSRC`."
+    texts = [f"{p.name}\0{p.read_text()}" for p in sorted(CSRC.glob("*.[ch]"))]
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
+
+
+def compile_kernels(cc: str, out: Path) -> subprocess.CompletedProcess:
+    "Every .c of `CSRC` compiled by `cc` into the one library `out`; the compiler's warnings in `.stderr`."
+    sources = [str(p) for p in sorted(CSRC.glob("*.c"))]
+    return subprocess.run([cc, *C_FLAGS, *sources, "-o", str(out)], capture_output=True, text=True)
+
+
+def c_library(cc: str) -> Path:
+    "Our one C library, compiled by `cc` the first time and kept in `cache_dir()/kernels`: its path."
+    key = hashlib.sha256("\0".join([sources_digest(), cc, *C_FLAGS]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"minivllm_{key}.so"
+    if path.exists():
+        return path
+    if not list(CSRC.glob("*.c")):  # a package installed without its package data
+        raise CBuildError(f"no C sources in {CSRC}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = compile_kernels(cc, Path(tmp) / "kernels.so")
+        if built.returncode:
+            raise CBuildError(f"{cc} failed: {built.stderr.strip()[-300:]}")
+        if built.stderr.strip():  # another compiler than tests/ hold to no warnings: said, not fatal
+            log.warning(f"minivllm: {cc} warns on our C: {built.stderr.strip()[-300:]}")
+        os.replace(Path(tmp) / "kernels.so", path)  # atomic: a process starting alongside sees all or nothing
+    log.info(f"minivllm: built our C kernels in {time.perf_counter() - t0:.1f} s ({path})")
+    return path
+
+# %% ../nbs/01b_cpu_kernels.ipynb #e06082d1
+_SELFTEST = (  # argv: the library, then `function:isa` for each self-test to run
+    "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+    "sys.exit(max(getattr(lib, f)(int(i)) for f, i in (a.split(':') for a in sys.argv[2:])))"
+)
+
+
+def run_selftests(lib: Path, tests: list[str]) -> int:
+    "C self-tests of library `lib` (`function:index`, e.g. `int4_selftest:0`) in a child: its exit status."
+    child = [sys.executable, "-c", _SELFTEST, str(lib), *tests]
+    # 0: all passed; negative: the child died of that signal (SIGILL: an instruction the CPU lacks)
+    return subprocess.run(child, capture_output=True, timeout=120).returncode
+
+
+def _passed_file(lib: Path) -> Path:
+    "Where the self-tests that passed on this CPU (its model and flags) are kept, beside `lib`."
+    cpu = "\0".join([cpuinfo().get("model name", platform.machine()), *sorted(cpu_flags())])
+    return lib.with_name(f"{lib.stem}_{hashlib.sha256(cpu.encode()).hexdigest()[:8]}.passed")
+
+
+def passed_selftests(lib: Path) -> set[str]:
+    "The self-tests (`kind:isa`) that passed for library `lib` on this CPU."
+    try:
+        return set(_passed_file(lib).read_text().split())
+    except OSError:
+        return set()
+
+
+def _keep_passed(lib: Path, passed: set[str]) -> None:
+    "Add self-tests `passed` to those kept for `lib` on this CPU (whole file or none); said if it cannot be."
+    path = _passed_file(lib)
+    done = passed_selftests(lib) | passed  # with what another process added meanwhile
+    try:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("\n".join(sorted(done)) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: the library serves, its self-tests run again at the next start
+        log.warning(f"minivllm: cannot keep which self-tests passed in {path}: {e}")
+
+
+def _self_test(lib: Path, kind: str, table: IsaTable, isas: list[str]) -> str | None:
+    "None where `kind`'s self-tests pass for `isas` (run in a child once per CPU, then kept); else why not."
+    todo = [isa for isa in isas if f"{kind}:{isa}" not in passed_selftests(lib)]
+    if not todo:
+        return None
+    status = run_selftests(lib, [f"{kind}_selftest:{table[isa][0]}" for isa in todo])
+    if status:
+        how = f"killed: {signal.strsignal(-status)}" if status < 0 else f"exit status {status}"
+        return f"its self-test failed ({how}); it is tried again at the next start"
+    _keep_passed(lib, {f"{kind}:{isa}" for isa in todo})
+    log.info(f"minivllm: our {kind} kernels passed their self-tests ({', '.join(todo)})")
+    return None
+
+# %% ../nbs/01b_cpu_kernels.ipynb #d706a080
+CFunctions = dict[str, dict[str, type]]  # C function -> its parameters' names and ctypes types, in order
+
+
+@functools.cache
+def _open(path: str) -> ctypes.CDLL:
+    "The library at `path`, loaded once per process."
+    return ctypes.CDLL(path)
+
+
+def declare(lib: ctypes.CDLL, functions: CFunctions) -> ctypes.CDLL:
+    "`lib`, its `functions` told their parameters (ctypes checks each call against them); each returns int."
+    for name, params in functions.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(params.values()), c_int
+    return lib
+
+
+def build_library(kind: str, table: IsaTable, functions: CFunctions) -> ctypes.CDLL | None:
+    "Our C library where `kind`'s self-tests pass for the kernels of `table` this CPU runs; else None."
+    isas = isas_here(table)
+    if not isas:
+        return None
+    cc = c_compiler()
+    if cc is None:
+        log.info(f"minivllm: no C compiler (cc): our {kind} kernels are not candidates")
+        return None
+    try:
+        path = c_library(cc)
+        why = _self_test(path, kind, table, isas)
+    except (CBuildError, OSError, subprocess.SubprocessError) as e:  # a cache we cannot write, a hung child
+        why = str(e) if isinstance(e, CBuildError) else f"{type(e).__name__}: {e}"
+    if why is not None:
+        log.warning(f"minivllm: our {kind} kernels are not candidates: {why}")
+        return None
+    return declare(_open(str(path)), functions)
+
+# %% ../nbs/01b_cpu_kernels.ipynb #d299cb3b
+# our int4 kernels: the index `int4_linear` takes for each, and the CPU flags it needs
+INT4_ISAS = {
+    "vnni": (0, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    "avx2": (1, frozenset({"avx2", "fma"})),
+}
+INT4_FUNCTIONS = {
+    "int4_linear": dict(
+        isa=c_int, x=c_void_p, bf16=c_int, M=c_int, K=c_int, w=c_void_p, sm=c_void_p, bias=c_void_p, N=c_int,
+        y=c_void_p, threads=c_int,
+    ),
+}  # fmt: skip
+
 
 def int4_isas() -> list[str]:
     "Our int4 kernels whose instructions this CPU lists, best first."
     return isas_here(INT4_ISAS)
 
 
-def _compile(source: str, cc: str, path: Path, tests: list[str]) -> str | None:
-    "Build `source` into `path` if it compiles and its self-tests (`fn:isa`) pass in a child; else why not"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
-        src.write_text(source)
-        built = subprocess.run([cc, *C_FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
-        if built.returncode:
-            return f"{cc} failed: {built.stderr.strip()[-300:]}"
-        tried = subprocess.run(
-            [sys.executable, "-c", _SELFTEST, str(lib), *tests], capture_output=True, timeout=120
-        )
-        if tried.returncode:
-            return f"its self-test failed (exit status {tried.returncode})"
-        os.replace(lib, path)  # atomic: a process starting alongside sees the whole file or none
-    return None
-
-
-def build_library(
-    kind: str, source: str, table: dict[str, tuple[int, frozenset]], args: str, entry: str | None = None
-) -> ctypes.CDLL | None:
-    "`source` built (once per machine and source), self-tested for `table`'s kernels that run here; or None."
-    isas = isas_here(table)
-    if not isas:
-        return None
-    cc = shutil.which(os.environ.get("CC") or "cc")
-    if cc is None:
-        log.info(f"minivllm: no C compiler (cc): our {kind} kernels are not candidates")
-        return None
-    key = hashlib.sha256("\0".join([source, cc, *C_FLAGS]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"{kind}_{key}_{'_'.join(isas)}.so"  # tested for these instruction sets
-    t0, build = time.perf_counter(), not path.exists()
-    try:
-        tests = [f"{kind}_selftest:{table[i][0]}" for i in isas]
-        why = _compile(source, cc, path, tests) if build else None
-        lib = None if why else ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:  # a cache we cannot write, a child that hung, ...
-        why = f"{type(e).__name__}: {e}"
-    if why is not None:
-        log.warning(f"minivllm: our {kind} kernels are not candidates: {why}")
-        return None
-    if build:
-        took = time.perf_counter() - t0
-        log.info(f"minivllm: built our {kind} kernels ({', '.join(isas)}) in {took:.1f} s ({path})")
-    declare(getattr(lib, entry or f"{kind}_linear"), args)  # the entry point
-    return lib
-
-
-def declare(fn, args: str) -> None:
-    "Say what C function `fn` takes: `args`, i an int, p a pointer, f a float; it returns an int."
-    types = {"i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float}
-    fn.argtypes, fn.restype = [types[a] for a in args], ctypes.c_int
-
-
 @functools.cache
 def int4_library() -> ctypes.CDLL | None:
-    "Our compiled int4 x int8 kernels (built once per machine and source), or None where none can run here."
-    return build_library("int4", INT4_C, INT4_ISAS, "ipiiipppipi")
+    "Our C library, for its int4 x int8 kernels (self-tested here), or None where none can run here."
+    return build_library("int4", INT4_ISAS, INT4_FUNCTIONS)
 
 # %% ../nbs/01b_cpu_kernels.ipynb #683670d3
 def int4_int8_supported(out_features: int, in_features: int, group_size: int = 32) -> list[str]:
@@ -664,7 +570,7 @@ def int4_int8_levels(q: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Int8Linear(nn.Module):
-    "A linear layer with int4 weights in groups of 32 times int8 activations, in our kernel `isa` (`INT4_C`)."
+    "A linear layer: int4 weights in groups of 32 by int8 activations, in our kernel `isa` (linear_int4.c)."
 
     def __init__(self, q, scale, zero, bias: torch.Tensor | None, isa: str | None = None):
         super().__init__()
@@ -762,125 +668,20 @@ class ShortlistHead(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, shortlist {self.k} to int8"
 
-# %% ../nbs/01b_cpu_kernels.ipynb #a6a1786f
-F32_C = r"""
-#include <immintrin.h>
-
-#define AVX512 __attribute__((target("avx512f")))
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
-
-// ---- AVX-512: R rows (at most 6) by C blocks of 16 channels (at most 4) in R * C registers.
-// W: [N/16][K][16], bs = K * 16 floats from one block to the next.
-// Per input k: C loads, R broadcasts, R * C multiply-adds.
-AVX512 INLINE void rows_f32_512(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
-                                float* y, int N) {
-  __m512 acc[6][4];
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) acc[r][c] = b ? _mm512_loadu_ps(b + c * 16) : _mm512_setzero_ps();
-  for (int k = 0; k < K; k++) {
-    __m512 wv[4];
-    for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_ps(w + c * bs + (long)k * 16);
-    for (int r = 0; r < R; r++) {
-      __m512 xv = _mm512_set1_ps(x[(long)r * K + k]);
-      for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) _mm512_storeu_ps(y + (long)r * N + c * 16, acc[r][c]);
-}
-
-// R a constant in each call: the loops over rows and blocks unroll and the accumulators stay in registers
-#define F32_ROWS(f, C)                              \
-  switch (R) {                                      \
-    case 1: f(w, bs, x, K, 1, C, b, y, N); break;   \
-    case 2: f(w, bs, x, K, 2, C, b, y, N); break;   \
-    case 3: f(w, bs, x, K, 3, C, b, y, N); break;   \
-    case 4: f(w, bs, x, K, 4, C, b, y, N); break;   \
-    case 5: f(w, bs, x, K, 5, C, b, y, N); break;   \
-    default: f(w, bs, x, K, 6, C, b, y, N);         \
-  }
-
-AVX512 static void tile_f32_512(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
-                                float* y, int N) {  // R rows by C blocks, into y (row stride N)
-  if (C == 4) {
-    F32_ROWS(rows_f32_512, 4)
-    return;
-  }
-  for (int c = 0; c < C; c++, w += bs, y += 16, b = b ? b + 16 : 0) F32_ROWS(rows_f32_512, 1)
-}
-
-// ---- AVX2: 8 floats a register, so one block of 16 channels (two registers) by R rows at a time.
-AVX2 INLINE void rows_f32_256(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
-                              float* y, int N) {
-  __m256 acc[6][2];
-  for (int r = 0; r < R; r++)
-    for (int h = 0; h < 2; h++) acc[r][h] = b ? _mm256_loadu_ps(b + h * 8) : _mm256_setzero_ps();
-  for (int k = 0; k < K; k++) {
-    __m256 w0 = _mm256_loadu_ps(w + (long)k * 16), w1 = _mm256_loadu_ps(w + (long)k * 16 + 8);
-    for (int r = 0; r < R; r++) {
-      __m256 xv = _mm256_set1_ps(x[(long)r * K + k]);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (long)r * N + h * 8, acc[r][h]);
-}
-
-AVX2 static void tile_f32_256(const float* w, long bs, const float* x, int K, int R, int C, const float* b,
-                              float* y, int N) {
-  for (int c = 0; c < C; c++, w += bs, y += 16, b = b ? b + 16 : 0) F32_ROWS(rows_f32_256, 1)
-}
-
-typedef void (*f32_tile_fn)(const float*, long, const float*, int, int, int, const float*, float*, int);
-
-// y [M, N] = x [M, K] W^T + bias in float32, in the instructions `isa` names (0: AVX-512, 1: AVX2). W: `w`
-// [N/16][K][16]; bias float32 or NULL. A thread takes a panel of 4 blocks (64 channels) and runs every 6 rows
-// through it while it sits in the core's cache.
-int f32_linear(int isa, const float* x, int M, int K, const float* w, const float* bias, int N, float* y,
-               int threads) {
-  int NB = N / 16, P = (NB + 3) / 4;
-  long bs = (long)K * 16;
-  f32_tile_fn tile = isa == 0 ? tile_f32_512 : tile_f32_256;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int p = 0; p < P; p++) {
-    int C = NB - p * 4 < 4 ? NB - p * 4 : 4;
-    for (int r0 = 0; r0 < M; r0 += 6)
-      tile(w + p * 4 * bs, bs, x + (long)r0 * K, K, M - r0 < 6 ? M - r0 : 6, C, bias ? bias + p * 64 : 0,
-           y + (long)r0 * N + p * 64, N);
-  }
-  return 0;
-}
-
-// 0 where `isa`'s kernel gives the exact sums of a small product: 8 rows (a tile and a part), 5 blocks
-// (a panel and a lone block), numbers in 1/32 steps so that every partial sum is exact in float32.
-int f32_selftest(int isa) {
-  enum { M = 8, K = 24, N = 80 };
-  static float w[N * K], x[M * K], y[M * N], bias[N];
-  for (int n = 0; n < N; n++) {
-    bias[n] = (n % 7) / 4.f;
-    for (int k = 0; k < K; k++) w[((n / 16) * K + k) * 16 + n % 16] = ((n * 5 + k * 3) % 11 - 5) / 8.f;
-  }
-  for (int i = 0; i < M * K; i++) x[i] = ((i * 7) % 13 - 6) / 4.f;
-  f32_linear(isa, x, M, K, w, bias, N, y, 2);
-  for (int r = 0; r < M; r++)
-    for (int n = 0; n < N; n++) {
-      double want = bias[n];
-      for (int k = 0; k < K; k++) want += ((n * 5 + k * 3) % 11 - 5) / 8. * x[r * K + k];
-      if (y[r * N + n] != (float)want) return 1;
-    }
-  return 0;
-}
-"""
+# %% ../nbs/01b_cpu_kernels.ipynb #bea101e4
 # our float32 kernels: the index `f32_linear` takes for each, and the CPU flags it needs
 F32_ISAS = {"avx512": (0, frozenset({"avx512f"})), "avx2": (1, frozenset({"avx2", "fma"}))}
+F32_FUNCTIONS = {
+    "f32_linear": dict(
+        isa=c_int, x=c_void_p, M=c_int, K=c_int, w=c_void_p, bias=c_void_p, N=c_int, y=c_void_p, threads=c_int
+    ),
+}
 
 
 @functools.cache
 def f32_library() -> ctypes.CDLL | None:
-    "Our compiled float32 kernels (built once per machine and source), or None where none can run here."
-    return build_library("f32", F32_C, F32_ISAS, "ipiippipi")
+    "Our C library, for its float32 kernels (self-tested here), or None where none can run here."
+    return build_library("f32", F32_ISAS, F32_FUNCTIONS)
 
 
 def f32_supported(out_features: int) -> list[str]:
@@ -894,9 +695,9 @@ def f32_blocks(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     return w.detach().float().view(n // 16, 16, k).transpose(1, 2).contiguous()  # [N/16, K, 16]
 
-
+# %% ../nbs/01b_cpu_kernels.ipynb #5ceb805f
 class F32Linear(nn.Module):
-    "A float32 linear layer in our kernel `isa` (`F32_C`): weights as [N/16, K, 16], 16 channels a line."
+    "A float32 linear layer in our kernel `isa` (linear_f32.c): weights as [N/16, K, 16], 16 channels a line."
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None):
         super().__init__()
@@ -927,120 +728,26 @@ class F32Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.isa}"
 
-# %% ../nbs/01b_cpu_kernels.ipynb #241e9017
-NORM_C = (
-    C_COMMON
-    + r"""
-INLINE float to_bf16(float f) {  // f rounded to bfloat16 (to nearest, ties to even), as a float
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-// One row: y = w * dtype(x / sqrt(mean(x^2) + eps)), in float32, rounded to x's dtype twice as 01's RMSNorm
-// rounds: after the normalization and after the weight. x, w and y float32, or bfloat16 (`bf16`).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void norm_row(int bf16, const void* x, const void* w, float eps, int n, void* y) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int i = 0; i < n; i++) {
-    float v = value(x, bf16, i);
-    ss += v * v;
-  }
-  float r = 1.f / sqrtf(ss / (float)n + eps);
-  for (int i = 0; i < n; i++) {
-    float v = value(x, bf16, i) * r;
-    put(y, bf16, i, value(w, bf16, i) * (bf16 ? to_bf16(v) : v));
-  }
-}
-
-// Every row of x [rows, n] into y [rows, n]; a batch of rows split over the threads.
-int rmsnorm(int bf16, const void* x, const void* w, float eps, int rows, int n, void* y, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
-  for (int r = 0; r < rows; r++) {
-    long at = (long)r * n * (bf16 ? 2 : 4);  // bytes to row r
-    norm_row(bf16, (const char*)x + at, w, eps, n, (char*)y + at);
-  }
-  return 0;
-}
-
-// Rotary embeddings for T tokens: y [T, H, D] = x * cos + rotate_half(x) * sin (01's `apply_rotary`), each
-// product and the sum rounded to x's dtype as PyTorch rounds them (no fused multiply-add), so the same bits.
-// x: [T, H, D] with `stride` elements from one token to the next; cos, sin: [T, D].
-INLINE float rounded(int bf16, float f) { return bf16 ? to_bf16(f) : f; }
-
-INLINE void rotary_head(int bf16, const void* x, long o, int D, const void* c, const void* s, void* y) {
-  int h2 = D / 2;
-#pragma omp simd
-  for (int i = 0; i < h2; i++)  // the first half turns with -x2
-    put(y, bf16, o + i,
-        rounded(bf16, value(x, bf16, o + i) * value(c, bf16, i)) +
-            rounded(bf16, -value(x, bf16, o + i + h2) * value(s, bf16, i)));
-#pragma omp simd
-  for (int i = h2; i < D; i++)  // the second with x1
-    put(y, bf16, o + i,
-        rounded(bf16, value(x, bf16, o + i) * value(c, bf16, i)) +
-            rounded(bf16, value(x, bf16, o + i - h2) * value(s, bf16, i)));
-}
-
-__attribute__((optimize("fp-contract=off"), target_clones("avx512f", "avx2", "default")))
-static void rotary_token(int bf16, const void* x, int H, int D, const void* c, const void* s, void* y) {
-  for (int h = 0; h < H; h++)  // the dtype a constant in each loop: both vectorize
-    if (bf16)
-      rotary_head(1, x, (long)h * D, D, c, s, y);
-    else
-      rotary_head(0, x, (long)h * D, D, c, s, y);
-}
-
-int rotary(int bf16, const void* x, int T, int stride, int H, int D, const void* c, const void* s, void* y,
-           int threads) {
-  int e = bf16 ? 2 : 4;  // bytes an element
-#pragma omp parallel for num_threads(threads) schedule(static) if (T >= 8)
-  for (int t = 0; t < T; t++)
-    rotary_token(bf16, (const char*)x + (long)t * stride * e, H, D, (const char*)c + (long)t * D * e,
-                 (const char*)s + (long)t * D * e, (char*)y + (long)t * H * D * e);
-  return 0;
-}
-
-int norm_selftest(int isa) {  // rows of 1/8-steps (exact squares and sums), against the same steps in double
-  enum { R = 9, N = 40 };
-  static float x[R * N], w[N], y[R * N];
-  (void)isa;
-  for (int i = 0; i < N; i++) w[i] = (i % 5 + 1) / 4.f;
-  for (int i = 0; i < R * N; i++) x[i] = ((i * 7) % 17 - 8) / 8.f;
-  rmsnorm(0, x, w, 1e-6f, R, N, y, 2);
-  float c[4] = {0.5f, 0.25f, 0.5f, 0.25f}, s[4] = {0.75f, 1.f, 0.75f, 1.f}, z[8];
-  float q[8] = {1, 2, 3, 4, 5, 6, 7, 8};  // two heads: (1, 2, 3, 4) -> (1/2 - 9/4, 1/2 - 4, 3/2 + 3/4, 1 + 2)
-  rotary(0, q, 1, 8, 2, 4, c, s, z, 1);
-  if (z[0] != -1.75f || z[1] != -3.5f || z[2] != 2.25f || z[3] != 3.f || z[4] != -2.75f) return 1;
-  for (int r = 0; r < R; r++) {
-    double ss = 0;
-    for (int i = 0; i < N; i++) ss += (double)x[r * N + i] * x[r * N + i];
-    double inv = 1 / sqrt(ss / N + 1e-6);
-    for (int i = 0; i < N; i++) {
-      double want = w[i] * x[r * N + i] * inv;
-      if (fabs(y[r * N + i] - want) > 1e-5 * (1 + fabs(want))) return 1;
-    }
-  }
-  return 0;
-}
-"""
-)
+# %% ../nbs/01b_cpu_kernels.ipynb #a3b914d7
+NORM_FUNCTIONS = {
+    "rmsnorm": dict(
+        bf16=c_int, x=c_void_p, w=c_void_p, eps=c_float, rows=c_int, n=c_int, y=c_void_p, threads=c_int
+    ),
+    "rotary": dict(
+        bf16=c_int, x=c_void_p, T=c_int, stride=c_int, H=c_int, D=c_int, c=c_void_p, s=c_void_p, y=c_void_p,
+        threads=c_int,
+    ),
+}  # fmt: skip
 
 
 @functools.cache
 def norm_library() -> ctypes.CDLL | None:
-    "Our compiled RMSNorm (built once per machine and source), or None where it cannot run."
-    lib = build_library("norm", NORM_C, {"c": (0, frozenset())}, "ippfiipi", entry="rmsnorm")
-    if lib is not None:
-        declare(lib.rotary, "ipiiiipppi")
-    return lib
+    "Our C library, for its RMSNorm and rotary (self-tested here), or None where it cannot run."
+    return build_library("norm", PORTABLE, NORM_FUNCTIONS)
 
 
 class CRMSNorm(RMSNorm):
-    "01's `RMSNorm` in one C call (`NORM_C`) for float32 or bfloat16 rows on the CPU; PyTorch's otherwise."
+    "01's `RMSNorm` in one C call (`norms.c`) for float32 or bfloat16 rows on the CPU; PyTorch's otherwise."
 
     @classmethod
     def from_norm(cls, norm: RMSNorm) -> CRMSNorm:
@@ -1061,7 +768,7 @@ class CRMSNorm(RMSNorm):
         lib.rmsnorm(bf16, rows.data_ptr(), w.data_ptr(), self.eps, rows.shape[0], n, y.data_ptr(), threads)
         return y.view(x.shape)
 
-
+# %% ../nbs/01b_cpu_kernels.ipynb #6aeee523
 def prepare_norms(model: nn.Module) -> int:
     "Every `RMSNorm` of `model` as a `CRMSNorm`, and its rotary as `c_rotary` (where our C builds); how many."
     if norm_library() is None:
@@ -1076,7 +783,7 @@ def prepare_norms(model: nn.Module) -> int:
 
 
 def c_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    "01's `apply_rotary` in one C call (`NORM_C`): the same bits, float32 or bfloat16, on the CPU."
+    "01's `apply_rotary` in one C call (`norms.c`): the same bits, float32 or bfloat16, on the CPU."
     T, H, D = x.shape
     lib, bf16 = norm_library(), x.dtype == torch.bfloat16
     ours = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride()[1:] == (D, 1)
@@ -1314,77 +1021,19 @@ def kernels_of(layer: nn.Module) -> list[nn.Module]:
         return kernels_of(layer.inner)
     return [layer.few, *kernels_of(layer.many)] if type(layer) is ByRows else [layer]
 
-# %% ../nbs/01b_cpu_kernels.ipynb #b8e168d6
-HEAD_C = (
-    C_COMMON
-    + r"""
-#define REL (1.01f / 256)  // bfloat16's rounding of a float32 sum: at most 2^-8 of the value, with room
-
-// One row of bfloat16 scores: the largest score `hi`, then every column scoring at least
-// hi - 2 * (base + REL * a), `a` the row's largest magnitude, into idx while fewer than k; returns how many
-// (-1: a score is not finite). Blocks of 64 whose largest score is below the line are skipped whole.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static long shortlist_row(const uint16_t* z, long cols, float base, long k, int64_t* idx) {
-  float hi = -INFINITY, lo = INFINITY;
-  int bad = 0;
-#pragma omp simd reduction(max : hi) reduction(min : lo) reduction(| : bad)
-  for (long i = 0; i < cols; i++) {
-    float f = value(z, 1, i);
-    hi = f > hi ? f : hi;
-    lo = f < lo ? f : lo;
-    bad |= (z[i] & 0x7F80) == 0x7F80;  // exponent all ones: an infinity or a NaN
-  }
-  if (bad) return -1;
-  float line = hi - 2.0f * (base + REL * fmaxf(fabsf(hi), fabsf(lo)));
-  long n = 0;
-  for (long s = 0; s < cols; s += 64) {
-    long e = s + 64 < cols ? s + 64 : cols;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (long i = s; i < e; i++) {
-      float f = value(z, 1, i);
-      m = f > m ? f : m;
-    }
-    if (m < line) continue;
-    for (long i = s; i < e; i++)
-      if (value(z, 1, i) >= line) {
-        if (n < k) idx[n] = i;
-        n++;
-      }
-  }
-  return n;
+# %% ../nbs/01b_cpu_kernels.ipynb #9195e8d3
+HEAD_FUNCTIONS = {
+    "head_shortlist": dict(
+        z=c_void_p, rows=c_int, cols=c_int, base=c_void_p, k=c_int, idx=c_void_p, count=c_void_p,
+        threads=c_int,
+    ),
 }
-
-// Every row r of z [rows, cols]: its shortlist in idx[r * k ...], how many in count[r] (see above).
-int head_shortlist(const uint16_t* z, int rows, int cols, const float* base, int k, int64_t* idx,
-                   int64_t* count, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int r = 0; r < rows; r++)
-    count[r] = shortlist_row(z + (long)r * cols, cols, base[r], k, idx + (long)r * k);
-  return 0;
-}
-
-int head_selftest(int isa) {  // 2 + 1/8 leads, 2 is within the line, 1 is not; then a NaN row
-  enum { C = 200, K = 4 };
-  static uint16_t z[2 * C];
-  int64_t idx[2 * K], count[2];
-  float base[2] = {0.25f, 0.25f};
-  (void)isa;
-  for (int i = 0; i < 2 * C; i++) z[i] = 0x3F80;  // 1.0
-  z[70] = 0x4002;   // 2.03125
-  z[150] = 0x4000;  // 2.0: 2.03125 - 2 * (0.25 + REL * 2.03125) is about 1.5
-  z[C + 9] = 0x7FC0;  // a NaN
-  head_shortlist(z, 2, C, base, K, idx, count, 1);
-  return !(count[0] == 2 && idx[0] == 70 && idx[1] == 150 && count[1] == -1);
-}
-"""
-)
 
 
 @functools.cache
 def head_library() -> ctypes.CDLL | None:
-    "Our compiled shortlist of a greedy head (built once per machine and source), or None if it cannot run."
-    return build_library("head", HEAD_C, {"c": (0, frozenset())}, "piipippi", entry="head_shortlist")
+    "Our C library, for the shortlist of a greedy head (self-tested here), or None where it cannot run."
+    return build_library("head", PORTABLE, HEAD_FUNCTIONS)
 
 
 GREEDY_SHORTLIST = 16  # at most this many tokens per row scored in float32; a row with more: all its logits
@@ -1413,7 +1062,7 @@ def _row_reader(layer: nn.Module) -> Callable[[torch.Tensor | slice], torch.Tens
             return lambda cols: weight[cols]
     return None
 
-
+# %% ../nbs/01b_cpu_kernels.ipynb #9a901df7
 class GreedyHead(nn.Module):
     "A float32 LM head with an exact arg-max: a bfloat16 pass and its bound shortlist, float32 picks."
 
@@ -1487,7 +1136,7 @@ class GreedyHead(nn.Module):
     def extra_repr(self) -> str:
         return f"shortlist {self.k} from a bfloat16 pass, from {self.from_rows} rows"
 
-
+# %% ../nbs/01b_cpu_kernels.ipynb #e4c9b471
 def _greedy_start(head: nn.Module, greedy: GreedyHead) -> tuple[int | None, dict[str, list[float]]]:
     "The smallest timed row count from which `greedy`'s arg-max beats the logits' at every larger one."
     fns = {"logits": lambda x: head(x).float().max(-1), "greedy": greedy.argmax}
@@ -1587,7 +1236,7 @@ def machine_key() -> str:
     "What a measured plan holds for: the CPU's model and flags, cores and threads, torch, our C kernels."
     cpu = cpuinfo().get("model name", platform.machine())
     parts = [str(PLANS_VERSION), cpu, " ".join(sorted(cpu_flags()))]
-    parts += [str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, INT4_C, F32_C, HEAD_C]
+    parts += [str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, sources_digest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

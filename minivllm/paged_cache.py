@@ -10,6 +10,7 @@ import functools
 import gc
 import math
 from collections import OrderedDict
+from ctypes import c_int, c_void_p
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .cpu_kernels import C_COMMON, build_library
+from .cpu_kernels import PORTABLE, build_library
 from .qwen2 import Qwen2Config, causal_attention
 
 # %% auto #0
-__all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_C', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
+__all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_FUNCTIONS', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
            'check_block_invariants', 'kv_bytes_per_token', 'kv_cache_budget', 'measure_cuda_memory',
            'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'attn_library',
            'c_decode_supported', 'paged_decode_attention_c', 'PrefillSpan', 'PagedBatch', 'to_device',
@@ -365,6 +366,25 @@ def measure_cuda_memory(
 
 
 # %% ../nbs/02_paged_cache.ipynb #9c42a9a4
+def _too_small(budget: int, how: str, per_block: int, block_size: int, max_model_len: int | None) -> str:
+    "The error for a budget below one block, or below one sequence of `max_model_len`: every number in it."
+    n = max(budget // per_block, 0)
+    fix = "give kv_cache_memory more bytes" if how == "kv_cache_memory" else "give kv_cache_memory"
+    if "total" in how:  # measured on a GPU
+        fix = "raise gpu_memory_utilization, free the GPU, or give kv_cache_memory"
+    holds = f"the KV cache budget ({budget:,} bytes = {how}) holds "
+    holds += f"{n:,} blocks ({n * block_size:,} tokens)" if n else "no block"
+    holds += f" of {per_block:,} bytes ({block_size} tokens of K and V each)"
+    if max_model_len is None:
+        return f"{holds}: {fix}"
+    need = -(-max_model_len // block_size)
+    shorter = f"lower max_model_len to {n * block_size} or less, or " if n else ""
+    return (
+        f"max_model_len={max_model_len} needs {need:,} blocks ({need * per_block:,} bytes), but {holds}: "
+        f"{shorter}{fix}"
+    )
+
+
 def num_kv_blocks_for(
     cfg: Qwen2Config,
     block_size: int,
@@ -374,6 +394,7 @@ def num_kv_blocks_for(
     gpu_memory_utilization: float,  # CUDA: fraction of the device's memory the process may fill
     warmup: Callable[[], object] | None = None,  # CUDA: one step's forward, for the activations' peak
     cuda=torch.cuda,  # the CUDA memory calls (tests fake them)
+    max_model_len: int | None = None,  # tokens one sequence must fit; None: no such check here
 ) -> int:
     "How many blocks fit the memory budget (see the text above)."
     per_block = kv_bytes_per_token(cfg, dtype) * block_size
@@ -388,15 +409,12 @@ def num_kv_blocks_for(
     elif kv_cache_memory is None:
         ram = _available_ram()
         kv_cache_memory = min(DEFAULT_CPU_KV_BYTES, ram // 4) if ram else DEFAULT_CPU_KV_BYTES
+        how = "the CPU's default, 2 GiB or a quarter of the available RAM"
     n = int(kv_cache_memory // per_block)
-    if n < 1:
-        budget = f"the KV cache budget ({kv_cache_memory:,} bytes = {how})"
-        raise ValueError(
-            f"{budget} holds no block of {per_block:,} bytes: raise gpu_memory_utilization, free the GPU, or "
-            "give kv_cache_memory"
-        )
+    need = 1 if max_model_len is None else -(-max_model_len // block_size)
+    if n < max(need, 1):
+        raise ValueError(_too_small(int(kv_cache_memory), how, per_block, block_size, max_model_len))
     return n
-
 
 # %% ../nbs/02_paged_cache.ipynb #765208cf
 class KVCache:
@@ -477,146 +495,19 @@ def padded_decode_attention(
     )  # [B, Hq, 1, D]
     return o[:, :, 0, :]
 
-# %% ../nbs/02_paged_cache.ipynb #f58d4186
-ATTN_C = (
-    C_COMMON
-    + r"""
-enum { MAX_D = 256, MAX_G = 16 };
-
-// One sequence b and one K/V head h: its G query heads against every slot of its blocks that holds context,
-// in one pass (online softmax: a running maximum m, the sum l of exp(s - m), and the weighted values acc).
-INLINE void one_head(int bf16, const void* q, const void* kp, const void* vp, const int64_t* ids,
-                     const uint8_t* valid, int p0, int p1, int b, int h, int Hq, int Hkv, int D, int bs,
-                     void* out) {
-  int G = Hq / Hkv;
-  float qv[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], kv[MAX_D];
-  float scale = 1.f / sqrtf((float)D);
-  for (int g = 0; g < G; g++) {
-    for (int d = 0; d < D; d++) {
-      qv[g][d] = value(q, bf16, ((long)b * Hq + h * G + g) * D + d) * scale;
-      acc[g][d] = 0.f;
-    }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-  }
-  for (int p = p0; p < p1; p++)
-    for (int t = 0; t < bs; t++) {
-      if (!valid[(long)p * bs + t]) continue;
-      long at = ((ids[p] * bs + t) * Hkv + h) * (long)D;  // this slot's row of head h
-      for (int d = 0; d < D; d++) kv[d] = value(kp, bf16, at + d);
-      float s[MAX_G];
-      for (int g = 0; g < G; g++) {  // 16 partial sums: independent chains the compiler vectorizes
-        float part[16] = {0};
-        int d0 = 0;
-        for (; d0 + 16 <= D; d0 += 16)
-          for (int j = 0; j < 16; j++) part[j] += qv[g][d0 + j] * kv[d0 + j];
-        for (int d = d0; d < D; d++) part[d - d0] += qv[g][d] * kv[d];
-        float dot = 0.f;
-        for (int j = 0; j < 16; j++) dot += part[j];
-        s[g] = dot;
-      }
-      for (int d = 0; d < D; d++) kv[d] = value(vp, bf16, at + d);
-      for (int g = 0; g < G; g++) {
-        if (s[g] > m[g]) {  // a new maximum: what was summed so far shrinks by exp(old - new)
-          float c = expf(m[g] - s[g]);
-          l[g] *= c;
-          for (int d = 0; d < D; d++) acc[g][d] *= c;
-          m[g] = s[g];
-        }
-        float e = expf(s[g] - m[g]);
-        l[g] += e;
-        for (int d = 0; d < D; d++) acc[g][d] += e * kv[d];
-      }
-    }
-  for (int g = 0; g < G; g++)
-    for (int d = 0; d < D; d++)
-      put(out, bf16, ((long)b * Hq + h * G + g) * D + d, l[g] > 0 ? acc[g][d] / l[g] : 0.f);
-}
-
-// one_head for each dtype, compiled for AVX-512, AVX2 and plain x86-64; the loader picks what this CPU runs
-#define CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
-#define HEADS(name, bf16)                                                                          \
-  CLONES static void name(const void* q, const void* kp, const void* vp, const int64_t* ids,      \
-                          const uint8_t* valid, int p0, int p1, int b, int h, int Hq, int Hkv,     \
-                          int D, int bs, void* out) {                                              \
-    one_head(bf16, q, kp, vp, ids, valid, p0, p1, b, h, Hq, Hkv, D, bs, out);                     \
-  }
-HEADS(heads_f32, 0)
-HEADS(heads_bf16, 1)
-
-// out [B, Hq, D] = attention of q [B, Hq, D] (one query per decoding sequence) over the K/V pools
-// [blocks, bs, Hkv, D] through the blocks each sequence reads: ids [P] sequence after sequence, row [P] the
-// sequence of each, valid [P, bs] which of its slots hold context. float32 or bfloat16 throughout (`bf16`).
-// Returns 0, -1 where memory ran out, -2 for a shape past MAX_D / MAX_G.
-int attn_decode(int bf16, const void* q, const void* kp, const void* vp, const int64_t* ids,
-                const int64_t* row,
-                const uint8_t* valid, int P, int B, int Hq, int Hkv, int D, int bs, void* out, int threads) {
-  if (D > MAX_D || Hq / Hkv > MAX_G || Hq % Hkv) return -2;
-  int* start = calloc((size_t)B + 1, sizeof(int));  // sequence b reads blocks start[b] .. start[b + 1] - 1
-  if (!start) return -1;
-  for (int p = 0; p < P; p++) start[row[p] + 1] = p + 1;
-  for (int b = 0; b < B; b++)
-    if (start[b + 1] < start[b]) start[b + 1] = start[b];  // a sequence without blocks
-  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2)
-  for (int b = 0; b < B; b++)
-    for (int h = 0; h < Hkv; h++)
-      (bf16 ? heads_bf16 : heads_f32)(q, kp, vp, ids, valid, start[b], start[b + 1], b, h, Hq, Hkv, D, bs,
-                                      out);
-  free(start);
-  return 0;
-}
-
-// 0 where the kernel agrees with a two-pass softmax in double on a small batch: 3 sequences of 9, 4 and 1
-// tokens in blocks of 4 scattered over a pool of 8, 4 query heads on 2 K/V heads of 16 dimensions.
-int attn_selftest(int isa) {
-  enum { NB = 8, BS = 4, HQ = 4, HKV = 2, D = 16, B = 3, P = 5 };
-  static float kp[NB * BS * HKV * D], vp[NB * BS * HKV * D], q[B * HQ * D], out[B * HQ * D];
-  static const int64_t ids[P] = {6, 1, 3, 0, 5}, row[P] = {0, 0, 0, 1, 2};
-  static const int lens[B] = {9, 4, 1};
-  static uint8_t valid[P * BS];
-  (void)isa;
-  for (int i = 0; i < NB * BS * HKV * D; i++) {
-    kp[i] = ((i * 7) % 19 - 9) / 8.f;
-    vp[i] = ((i * 5) % 23 - 11) / 4.f;
-  }
-  for (int i = 0; i < B * HQ * D; i++) q[i] = ((i * 3) % 13 - 6) / 4.f;
-  for (int p = 0, b = 0, seen = 0; p < P; p++) {
-    if (p && row[p] != row[p - 1]) b++, seen = 0;
-    for (int t = 0; t < BS; t++) valid[p * BS + t] = seen + t < lens[b];
-    seen += BS;
-  }
-  if (attn_decode(0, q, kp, vp, ids, row, valid, P, B, HQ, HKV, D, BS, out, 2)) return 2;
-  for (int b = 0, p0 = 0; b < B; p0 += (lens[b] + BS - 1) / BS, b++)
-    for (int hq = 0; hq < HQ; hq++) {
-      int h = hq / (HQ / HKV), n = lens[b];
-      double s[16], m = -1e300, l = 0;
-      for (int t = 0; t < n; t++) {
-        long at = ((ids[p0 + t / BS] * BS + t % BS) * HKV + h) * D;
-        s[t] = 0;
-        for (int d = 0; d < D; d++)  // scaled by 1/sqrt(16)
-          s[t] += (double)q[(b * HQ + hq) * D + d] * kp[at + d] / 4.0;
-        m = s[t] > m ? s[t] : m;
-      }
-      for (int t = 0; t < n; t++) l += exp(s[t] - m);
-      for (int d = 0; d < D; d++) {
-        double want = 0;
-        for (int t = 0; t < n; t++) {
-          long at = ((ids[p0 + t / BS] * BS + t % BS) * HKV + h) * D;
-          want += exp(s[t] - m) / l * vp[at + d];
-        }
-        if (fabs(out[(b * HQ + hq) * D + d] - want) > 1e-4) return 1;
-      }
-    }
-  return 0;
-}
-"""
-)
+# %% ../nbs/02_paged_cache.ipynb #981a243f
+ATTN_FUNCTIONS = {
+    "attn_decode": dict(
+        bf16=c_int, q=c_void_p, kp=c_void_p, vp=c_void_p, ids=c_void_p, row=c_void_p, valid=c_void_p, P=c_int,
+        B=c_int, Hq=c_int, Hkv=c_int, D=c_int, bs=c_int, out=c_void_p, threads=c_int,
+    ),
+}  # fmt: skip
 
 
 @functools.cache
 def attn_library() -> ctypes.CDLL | None:
-    "Our compiled decode attention (built once per machine and source), or None where it cannot run here."
-    return build_library("attn", ATTN_C, {"c": (0, frozenset())}, "ippppppiiiiiipi", entry="attn_decode")
+    "Our C library, for its decode attention (self-tested here), or None where it cannot run here."
+    return build_library("attn", PORTABLE, ATTN_FUNCTIONS)
 
 
 def c_decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:

@@ -27,13 +27,14 @@ from tqdm.auto import tqdm
 __all__ = ['SDPA_GQA', 'DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED_SHA256',
            'BUNDLED_SIZE', 'BUNDLED_PARTS', 'PACK_BATCH_HINT', 'HUB_PATTERNS', 'ModelLoadError',
            'UnsupportedArchitecture', 'Qwen2Config', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary',
-           'AttentionMetadata', 'row_bucket', 'causal_attention', 'ContiguousKVCache', 'ContiguousBatch',
-           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model', 'Qwen2ForCausalLM', 'greedy_generate',
-           'resolve_device', 'cuda_bf16_error', 'resolve_dtype', 'model_from_tensors', 'safetensors_files',
-           'load_safetensors_model', 'gguf_to_hf_name', 'open_gguf', 'gguf_metadata', 'gguf_config',
-           'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf', 'ChatTemplateError', 'render_chat_template',
-           'Tokenizer', 'cache_dir', 'assemble_bundled_gguf', 'convert_gguf_to_folder', 'bundled_model_folder',
-           'packing_supported', 'PackedLinear', 'pack_linears', 'resolve_model', 'merge_projections', 'load_model']
+           'AttentionMetadata', 'row_bucket', 'bottom_right_mask', 'sdpa_causal', 'causal_attention',
+           'ContiguousKVCache', 'ContiguousBatch', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2Model',
+           'Qwen2ForCausalLM', 'greedy_generate', 'resolve_device', 'cuda_bf16_error', 'resolve_dtype',
+           'model_from_tensors', 'safetensors_files', 'load_safetensors_model', 'gguf_to_hf_name', 'open_gguf',
+           'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf',
+           'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'cache_dir', 'assemble_bundled_gguf',
+           'convert_gguf_to_folder', 'bundled_model_folder', 'packing_supported', 'PackedLinear', 'pack_linears',
+           'resolve_model', 'merge_projections', 'load_model']
 
 # %% ../nbs/01_qwen2.ipynb #8e70992d
 class ModelLoadError(ValueError):
@@ -184,6 +185,11 @@ class AttentionMetadata(Protocol):
 # whether scaled_dot_product_attention takes enable_gqa (PyTorch 2.5 and later)
 SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
+try:  # PyTorch 2.2 and later: a bottom-right causal mask that the fused CUDA kernels apply without a tensor
+    from torch.nn.attention.bias import causal_lower_right
+except ImportError:
+    causal_lower_right = None
+
 
 def row_bucket(rows: int) -> int:
     "`rows` rounded up to one of four sizes an octave, exact below 8: 8, 10, 12, 14, 16, 20, 24, ..."
@@ -198,25 +204,40 @@ _AMX_FLASH = {
 }
 
 
+def bottom_right_mask(n: int, L: int, device: torch.device, lazy: bool):
+    "Query i of n sees keys up to L - n + i: `causal_lower_right` if `lazy` and in PyTorch, else bools."
+    if lazy and causal_lower_right is not None:
+        return causal_lower_right(n, L)
+    return torch.ones(n, L, dtype=torch.bool, device=device).tril(diagonal=L - n)  # [n, L]
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copy_kv_heads: bool) -> torch.Tensor:
+    "SDPA of `q` [1, Hq, n, D], scaled already, over `k`/`v` [1, Hkv, L, D]; q holds the last n positions."
+    n, L = q.shape[2], k.shape[2]
+    kw = {"scale": 1.0}  # q carries the 1/sqrt(D) already
+    if copy_kv_heads or not SDPA_GQA:  # each K/V head copied once per query head it serves (CUDA; torch 2.4)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [1, Hq, L, D]
+    else:  # each K/V head serves Hq / Hkv query heads, read where it lies
+        kw["enable_gqa"] = True
+    if n == 1:  # one query sees everything
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    if n == L:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    mask = bottom_right_mask(n, L, q.device, lazy=copy_kv_heads)  # a chunk after cached context
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     "Attention of `q` [n, Hq, D] over `k`/`v` [L, Hkv, D], the queries being the last n of the L positions."
     n, L = q.shape[0], k.shape[0]
-    pad = row_bucket(n) - n if n == L and q.device.type == "cpu" and _AMX_FLASH.get(q.dtype) else 0
+    on_cpu = q.device.type == "cpu"
+    pad = row_bucket(n) - n if n == L and on_cpu and _AMX_FLASH.get(q.dtype) else 0
+    q = q * q.shape[-1] ** -0.5  # scaled before the product: in float16 an unscaled q.k can pass 65504
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n or L, D]: SDPA's layout
     if pad:  # zero rows at the end, which no real query sees under the causal mask
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    if SDPA_GQA:  # each K/V head serves Hq / Hkv query heads, read where it lies
-        kw = {"enable_gqa": True}
-    else:  # PyTorch 2.4: copy each K/V head once per query head it serves
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [1, Hq, L, D]
-        kw = {}
-    if n == 1:  # one query sees everything
-        o = F.scaled_dot_product_attention(q, k, v, **kw)
-    elif n == L:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    else:  # bottom-right aligned causal mask: query i sits at position L - n + i
-        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=L - n)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    # CUDA: the memory-efficient kernel (the only fused one on a T4) refuses enable_gqa: K/V heads are copied
+    o = sdpa_causal(q, k, v, copy_kv_heads=not on_cpu)
     return o[0, :, :n].transpose(0, 1)  # [n, Hq, D]
 
 # %% ../nbs/01_qwen2.ipynb #2dc3b4b7
@@ -450,8 +471,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise ValueError(f"dtype {dtype} is not supported")
     if dtype == torch.bfloat16 and device.type == "cuda" and cuda_bf16_error(device):
         raise ValueError(cuda_bf16_error(device))
-    if dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("float16 is for CUDA; on the CPU use float32 or bfloat16")
     return dtype
 
 # %% ../nbs/01_qwen2.ipynb #4727f9d3

@@ -256,14 +256,14 @@ def test_serve_runs_records_a_server_that_cannot_start_and_goes_on(tmp_path):
 
 def test_cpu_subcommand_runs_every_mode_offline_and_served(tiny_folder, tmp_path):
     out = tmp_path / "cpu.json"
-    bench.main(["cpu", "--model", str(tiny_folder), "--modes", "float32", "bfloat16", "float16",
+    bench.main(["cpu", "--model", str(tiny_folder), "--modes", "float32", "bfloat16", "float64",
                 "--concurrency", "1", "3", "--offline-requests", "2", "3", "--offline-tokens", "2", "5",
                 "--serve-prompts", "2", "3", "--serve-tokens", "2", "5", "--num-kv-blocks", "300",
                 "--llama-server", "", "--log-dir", str(tmp_path / "logs"), "--preliminary", "--json", str(out)])
     res = json.loads(out.read_text())
     assert res["preliminary"] and res["machine"]["cores"] >= 1 and res["kernels"]["torch_cpu_capability"]
-    assert [m["mode"] for m in res["modes"]] == ["float32", "bfloat16", "float16"]
-    assert "error" in res["modes"][2]  # float16 is refused on the CPU: recorded, and the run went on
+    assert [m["mode"] for m in res["modes"]] == ["float32", "bfloat16", "float64"]
+    assert "error" in res["modes"][2]  # float64 is refused: recorded, and the run went on
     assert [(r["mode"], r["concurrency"]) for r in res["offline"]] == [
         ("float32", 1), ("float32", 3), ("bfloat16", 1), ("bfloat16", 3)]
     assert all(r["identical"] == r["requests"] for r in res["offline"] if r["mode"] == "float32")

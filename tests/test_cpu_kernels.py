@@ -1,7 +1,10 @@
 """CPU kernels (01b_cpu_kernels): int8/int4 linear layers against their dequantized float reference, kernels
 chosen per shape, `prepare_linears` and `load_model(quantization=...)` on tiny models, and `dtype="auto"`."""
+import ctypes
 import json
 import logging
+import re
+import shutil
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minivllm.cpu_kernels as ck
+import minivllm.paged_cache as pc
 from minivllm.cpu_kernels import (
     Int4Linear,
     Int8Linear,
@@ -397,19 +401,37 @@ def test_int4_int8_refuses_other_groups_shapes_and_kernels():
         ck.Int4Int8Linear(q, scale, zero, None, "sse")
 
 
+FAMILY_LIBRARIES = (ck.int4_library, ck.f32_library, ck.norm_library, ck.head_library)
+
+
 @pytest.fixture
 def fresh_int4(monkeypatch, tmp_path):
-    "int4_library() asked anew, with its cache in tmp_path; forgotten again afterwards."
+    "Our C library asked anew by every family, with its cache in tmp_path; forgotten again afterwards."
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-    ck.int4_library.cache_clear()
-    ck.f32_library.cache_clear()
+    for library in FAMILY_LIBRARIES:
+        library.cache_clear()
     yield tmp_path
-    ck.int4_library.cache_clear()
-    ck.f32_library.cache_clear()
+    for library in FAMILY_LIBRARIES:
+        library.cache_clear()
 
 
 def built(cache) -> list:
     return sorted((cache / "kernels").glob("*")) if (cache / "kernels").exists() else []
+
+
+def passed_here() -> set[str]:
+    "The self-tests (`kind:isa`) kept as passed for our C library on this CPU (as `cpu_flags` says it is)."
+    return ck.passed_selftests(ck.c_library(ck.c_compiler()))
+
+
+def corrupt(monkeypatch, folder, file: str, old: str, new: str) -> None:
+    "Our C sources copied into `folder` with `old` replaced by `new` in `file`; the builder reads that copy."
+    src = folder / "csrc"
+    shutil.copytree(ck.CSRC, src)
+    text = (src / file).read_text()
+    assert text.count(old) == 1
+    (src / file).write_text(text.replace(old, new))
+    monkeypatch.setattr(ck, "CSRC", src)
 
 
 def test_int4_int8_not_offered_without_the_flags(monkeypatch, fresh_int4):
@@ -424,7 +446,7 @@ def test_int4_int8_on_a_cpu_with_avx2_only(monkeypatch, fresh_int4):
     monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx", "avx2", "fma"})  # an AVX2-only CPU, as Zen 3
     assert ck.int4_int8_supported(48, 64) == ["avx2"]
     assert list(kernel_candidates(nn.Linear(64, 48).bfloat16(), "int4")) == ["int4", "int4/avx2"]
-    assert [f.name.endswith("_avx2.so") for f in built(fresh_int4)] == [True]  # tested for AVX2 alone
+    assert passed_here() == {"int4:avx2"}  # self-tested for AVX2 alone
 
 
 @pytest.mark.parametrize("cc", ["no-such-compiler", "false"])
@@ -441,24 +463,29 @@ def test_int4_int8_without_a_working_compiler(monkeypatch, fresh_int4, caplog, c
 def test_int4_int8_built_once_into_the_cache(fresh_int4, caplog):
     with caplog.at_level(logging.INFO, logger="minivllm"):
         assert ck.int4_library() is not None
-    assert "built our int4 kernels" in caplog.text
+    assert "built our C kernels" in caplog.text and "our int4 kernels passed their self-tests" in caplog.text
     first = built(fresh_int4)
-    assert len(first) == 1 and first[0].suffix == ".so"  # no sources or temporaries left behind
+    assert sorted(f.suffix for f in first) == [".passed", ".so"]  # the library and its tests, nothing else
     ck.int4_library.cache_clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="minivllm"):
         assert ck.int4_library() is not None  # as a new process would: loaded from the cache, not built
-    assert "built" not in caplog.text and built(fresh_int4) == first
+    assert "built" not in caplog.text and "self-tests" not in caplog.text and built(fresh_int4) == first
 
 
 @pytest.mark.skipif(not OURS, reason=NO_OURS)
 def test_int4_int8_self_test_turns_down_a_wrong_build(monkeypatch, fresh_int4, caplog):
-    wrong = ck.INT4_C.replace("q << 4", "q << 5")  # the self-test's own packing corrupted
-    assert wrong != ck.INT4_C
-    monkeypatch.setattr(ck, "INT4_C", wrong)
-    assert ck.int4_library() is None
-    assert "self-test failed" in caplog.text
-    assert not [f for f in built(fresh_int4) if f.suffix == ".so"]  # not kept: the next start tries again
+    corrupt(monkeypatch, fresh_int4, "linear_int4.c", "q << 4", "q << 5")  # the self-test's own packing
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        assert ck.int4_library() is None
+    assert "our int4 kernels are not candidates: its self-test failed (exit status 1)" in caplog.text
+    assert ck.norm_library() is not None  # the other families of the one library still serve
+    assert not [t for t in passed_here() if t.startswith("int4:")]  # not kept as passed
+    ck.int4_library.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        assert ck.int4_library() is None  # the next start tries again, on the library already built
+    assert "self-test failed" in caplog.text and "built" not in caplog.text
 
 
 @pytest.mark.skipif(not OURS, reason=NO_OURS)
@@ -545,7 +572,7 @@ def test_f32_on_a_cpu_with_avx2_only(monkeypatch, fresh_int4):
     monkeypatch.setattr(ck, "cpu_flags", lambda: {"avx", "avx2", "fma"})
     assert ck.f32_supported(48) == ["avx2"]
     assert [n for n in kernel_candidates(nn.Linear(64, 48)) if n.startswith("f32/")] == ["f32/avx2"]
-    assert [f.name for f in built(fresh_int4) if f.name.startswith("f32_") and f.name.endswith("_avx2.so")]
+    assert passed_here() == {"f32:avx2"}  # self-tested for AVX2 alone
 
 
 def test_kernels_this_cpu_lacks_are_refused_not_run(monkeypatch):
@@ -567,15 +594,12 @@ def test_kernels_this_cpu_lacks_are_refused_not_run(monkeypatch):
 def test_f32_built_once_and_a_wrong_build_turned_down(monkeypatch, fresh_int4, caplog):
     with caplog.at_level(logging.INFO, logger="minivllm"):
         assert ck.f32_library() is not None
-    assert "built our f32 kernels" in caplog.text
-    first = built(fresh_int4)
-    assert len(first) == 1 and first[0].name.startswith("f32_") and first[0].suffix == ".so"
+    assert "built our C kernels" in caplog.text and "our f32 kernels passed their self-tests" in caplog.text
+    assert {t for t in passed_here() if t.startswith("f32:")} == {f"f32:{isa}" for isa in F32_OURS}
     ck.f32_library.cache_clear()
-    wrong = ck.F32_C.replace("% 11 - 5) / 8. *", "% 11 - 4) / 8. *")  # the self-test's reference corrupted
-    assert wrong != ck.F32_C
-    monkeypatch.setattr(ck, "F32_C", wrong)
-    assert ck.f32_library() is None and "self-test failed" in caplog.text
-    assert built(fresh_int4) == first  # nothing new kept
+    corrupt(monkeypatch, fresh_int4, "linear_f32.c", "% 11 - 5) / 8. *", "% 11 - 4) / 8. *")  # its reference
+    assert ck.f32_library() is None and "our f32 kernels are not candidates: its self-test failed" in caplog.text
+    assert not [t for t in passed_here() if t.startswith("f32:")]  # a new library: nothing passed for it
 
 
 @pytest.mark.skipif(not F32_OURS, reason="no AVX-512 or AVX2, or no C compiler")
@@ -1171,3 +1195,72 @@ def test_prepare_norms_without_a_compiler_keeps_pytorchs(monkeypatch, tmp_path):
         assert m.model.layers[0].self_attn.rotary is apply_rotary
     finally:
         ck.norm_library.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# our C: one library from minivllm/csrc, no warnings, each self-test of each variant, ctypes tables as in C
+
+CC = ck.c_compiler()
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")
+FAMILIES = {"int4": ck.INT4_ISAS, "f32": ck.F32_ISAS, "norm": ck.PORTABLE, "head": ck.PORTABLE, "attn": ck.PORTABLE}
+C_TYPES = {"int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float}
+
+
+@needs_cc
+def test_c_compiles_without_a_warning(tmp_path):
+    built = ck.compile_kernels(CC, tmp_path / "kernels.so")  # -Wall -Wextra
+    assert built.returncode == 0 and built.stderr == "", built.stderr
+
+
+@needs_cc
+@pytest.mark.parametrize("kind, isa", [(kind, isa) for kind, table in FAMILIES.items() for isa in table])
+def test_c_self_test(kind, isa):
+    "Each self-test of each variant this CPU runs, in a child of its own: a fault fails the test, not pytest."
+    table = FAMILIES[kind]
+    if isa not in ck.isas_here(table):
+        pytest.skip(f"this CPU lacks {sorted(table[isa][1] - ck.cpu_flags())}")
+    assert ck.run_selftests(ck.c_library(CC), [f"{kind}_selftest:{table[isa][0]}"]) == 0
+
+
+@needs_cc
+def test_one_library_serves_every_family(fresh_int4):
+    libraries = {lib for lib in (f() for f in FAMILY_LIBRARIES) if lib is not None}
+    assert len(libraries) == 1 and [f.suffix for f in built(fresh_int4)].count(".so") == 1
+
+
+@needs_cc
+def test_a_kernel_that_faults_kills_a_child_not_us(monkeypatch, fresh_int4, caplog):
+    "What a CPU that lists a flag and faults on its instructions does to a self-test: SIGILL (ud2 here)."
+    corrupt(monkeypatch, fresh_int4, "norms.c", "(void)isa;", "(void)isa;\n  __builtin_trap();")
+    assert ck.norm_library() is None
+    assert "our norm kernels are not candidates: its self-test failed (killed: Illegal instruction)" in caplog.text
+    assert ck.head_library() is not None  # the rest of the library serves
+
+
+def c_params(name: str) -> list[tuple[str, type]]:
+    "The parameters of C function `name` (in whichever of our sources defines it) as ctypes sees them."
+    text = "\n".join(p.read_text() for p in sorted(ck.CSRC.glob("*.c")))
+    found = re.search(rf"^\w[^\n]*\b{name}\(([^)]*)\)\s*{{", text, re.M)
+    assert found, f"no C function {name}"
+    words = [p.replace("*", " * ").split() for p in found.group(1).split(",")]
+    return [(w[-1], ctypes.c_void_p if "*" in w else C_TYPES[w[-2]]) for w in words]
+
+
+@pytest.mark.parametrize("functions", [ck.INT4_FUNCTIONS, ck.F32_FUNCTIONS, ck.NORM_FUNCTIONS, ck.HEAD_FUNCTIONS,
+                                       pc.ATTN_FUNCTIONS], ids=["int4", "f32", "norm", "head", "attn"])
+def test_ctypes_tables_are_the_c_signatures(functions):
+    "ctypes cannot read C: each table of what Python passes names and types the C parameters, in order."
+    for name, params in functions.items():
+        assert list(params.items()) == c_params(name), name
+
+
+def test_show_c_prints_a_definition_from_its_file(capsys):
+    ck.show_c("linear_int4.c", "int4_linear")
+    out = capsys.readouterr().out.splitlines()
+    first, end = ck.c_lines("linear_int4.c", "int4_linear")
+    lines = (ck.CSRC / "linear_int4.c").read_text().splitlines()
+    assert out[0] == f"// linear_int4.c:{first + 1}-{end}" and out[1:] == lines[first:end]
+    assert lines[first].startswith("// y [M, N] = x [M, K] W^T") and lines[end - 1] == "}"
+    assert ck.c_lines("linear_f32.c", "F32_ROWS")[1] - ck.c_lines("linear_f32.c", "F32_ROWS")[0] == 10  # a macro
+    with pytest.raises(ValueError, match="norms.c defines no 'int4_linear'"):
+        ck.c_lines("norms.c", "int4_linear")

@@ -6,6 +6,7 @@ logits/greedy parity through the paged cache with a cache-free forward and with 
 bundled model under `slow`) at block sizes 1, 4, 16 and 7, prompts just below, on and just above block boundaries."""
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from minivllm.paged_cache import (DEFAULT_CPU_KV_BYTES, BlockAllocator, BlockManager, BlockTable, KVCache,
                                   OutOfBlocks, PagedBatch, check_block_invariants, kv_bytes_per_token,
                                   num_kv_blocks_for, paged_decode_attention, padded_decode_attention)
+import minivllm.cpu_kernels as ck
 import minivllm.paged_cache as pc
 from minivllm.qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
 
@@ -518,15 +520,19 @@ def test_c_decode_self_test_turns_down_a_wrong_build(monkeypatch, tmp_path, capl
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     pc.attn_library.cache_clear()
     try:
-        wrong = pc.ATTN_C.replace("kp[at + d] / 4.0;", "kp[at + d] / 3.0;")  # the self-test's reference scale
-        assert wrong != pc.ATTN_C
-        monkeypatch.setattr(pc, "ATTN_C", wrong)
+        src = tmp_path / "csrc"  # our C sources, copied, with the self-test's reference scale wrong
+        shutil.copytree(ck.CSRC, src)
+        right = (src / "attention.c").read_text()
+        (src / "attention.c").write_text(right.replace("kp[at + d] / 4.0;", "kp[at + d] / 3.0;"))
+        assert (src / "attention.c").read_text() != right
+        monkeypatch.setattr(ck, "CSRC", src)
         assert pc.attn_library() is None and "self-test failed" in caplog.text
-        assert not list(tmp_path.rglob("*.so"))
+        assert "attn:c" not in ck.passed_selftests(ck.c_library(ck.c_compiler()))  # tried again next start
         monkeypatch.undo()
         monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
         pc.attn_library.cache_clear()
-        assert pc.attn_library() is not None and len(list(tmp_path.rglob("attn_*.so"))) == 1
+        assert pc.attn_library() is not None
+        assert "attn:c" in ck.passed_selftests(ck.c_library(ck.c_compiler()))
     finally:
         pc.attn_library.cache_clear()
 
@@ -895,3 +901,100 @@ def test_a_pool_too_small_for_max_model_len_names_the_numbers(tiny_folder):
     model, tok = load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
     with pytest.raises(ValueError, match=r"max_model_len=400 is more than the KV cache holds \(8 blocks x 16 tokens"):
         LLMEngine(model, tok, num_kv_blocks=8, max_model_len=400)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Engines sized on a pretend GPU: the engine's own call to num_kv_blocks_for, with the device and its memory
+# calls faked (the tiny model: 2 layers x 2 KV heads x 16 channels in float32, 8,192 bytes a 16-token block)
+
+TINY_BLOCK = 8192
+MiB = 1 << 20
+
+
+def fake_gpu_engines(monkeypatch, fake: FakeCuda, folder):
+    "A builder of engines whose KV memory is sized as on a GPU that `fake` answers for, their pools in it."
+    import weakref
+
+    import minivllm.engine as engine_module
+    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+
+    real, warmups = engine_module.num_kv_blocks_for, []
+
+    def sized(cfg, block_size, dtype, device, memory, util, warmup, cuda=None, **kw):
+        def warm():  # the engine's warm-up forward, and its activations on the pretend GPU: 2 MiB at the peak
+            warmups.append(warmup())
+            fake.alloc(2 * MiB)
+            fake.release(2 * MiB)
+        return real(cfg, block_size, dtype, torch.device("cuda"), memory, util, warm, fake, **kw)
+
+    monkeypatch.setattr(engine_module, "num_kv_blocks_for", sized)
+    model, tok = load_safetensors_model(folder), Tokenizer.from_folder(folder)
+
+    def build(**kw):
+        eng = engine_module.LLMEngine(model, tok, **kw)
+        fake.alloc(eng.cache.nbytes)  # its pools, on the pretend GPU
+        weakref.finalize(eng.cache, fake.release, eng.cache.nbytes)  # dropped: PyTorch keeps it cached
+        return eng
+    return build, warmups
+
+
+def generates(eng) -> bool:
+    from minivllm.engine import LLM
+    from minivllm.scheduler import SamplingParams
+    out = LLM.from_engine(eng).generate(["abc"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                        use_tqdm=False)
+    return len(out[0].outputs[0].token_ids) == 4
+
+
+def test_an_engine_dropped_leaves_its_memory_to_the_next(monkeypatch, tiny_folder):
+    fake = FakeCuda(64 * MiB)
+    fake.alloc(4 * MiB)  # the weights and the CUDA context
+    build, warmups = fake_gpu_engines(monkeypatch, fake, tiny_folder)
+    first = build()
+    n = first.cache.num_blocks
+    assert n == int(0.9 * 64 * MiB - 4 * MiB - 2 * MiB) // TINY_BLOCK == 6604 and len(warmups) == 1
+    assert generates(first)
+    del first  # its pools stay cached by PyTorch until the next engine empties the cache
+    second = build()
+    assert second.cache.num_blocks == n and len(warmups) == 2 and generates(second)
+
+
+def test_two_engines_alive_each_with_a_budget(monkeypatch, tiny_folder):
+    fake = FakeCuda(64 * MiB)
+    fake.alloc(4 * MiB)
+    build, warmups = fake_gpu_engines(monkeypatch, fake, tiny_folder)
+    a, b = build(kv_cache_memory=26 * MiB), build(kv_cache_memory=26 * MiB)
+    assert a.cache.num_blocks == b.cache.num_blocks == 26 * MiB // TINY_BLOCK
+    assert warmups == []  # a budget given: nothing measured
+    assert generates(a) and generates(b)
+    # a third without a budget finds 0.9 x 64 MiB - 56 MiB in use - 2 MiB of activations: less than nothing
+    room = (r"0.9 x 67,108,864 total - 58,720,256 in use - 2,097,152 activations' peak\) "
+            r"holds no block of 8,192 bytes")
+    with pytest.raises(ValueError, match=room):
+        build()
+
+
+def test_a_budget_too_small_for_max_model_len_names_the_numbers(monkeypatch, tiny_folder):
+    from minivllm.engine import LLMEngine
+    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+
+    model, tok = load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
+    too_small = (r"max_model_len=400 needs 25 blocks \(204,800 bytes\), but the KV cache budget "
+                 r"\(81,920 bytes = kv_cache_memory\) holds 10 blocks \(160 tokens\) of 8,192 bytes "
+                 r".*lower max_model_len to 160")
+    with pytest.raises(ValueError, match=too_small):
+        LLMEngine(model, tok, kv_cache_memory=10 * TINY_BLOCK, max_model_len=400)
+    assert LLMEngine(model, tok, kv_cache_memory=25 * TINY_BLOCK, max_model_len=400).max_model_len == 400
+    # below one block: with max_model_len, and without (then max_model_len would be what the cache holds)
+    no_block = r"needs 25 blocks .*\(8,191 bytes = kv_cache_memory\) holds no block of 8,192"
+    with pytest.raises(ValueError, match=no_block):
+        LLMEngine(model, tok, kv_cache_memory=TINY_BLOCK - 1, max_model_len=400)
+    with pytest.raises(ValueError, match=r"^the KV cache budget \(8,191 bytes = kv_cache_memory\) holds no"):
+        LLMEngine(model, tok, kv_cache_memory=TINY_BLOCK - 1)
+    # on the pretend GPU, the measured numbers are in the message
+    fake = FakeCuda(64 * MiB)
+    fake.alloc(4 * MiB)
+    build, _ = fake_gpu_engines(monkeypatch, fake, tiny_folder)
+    with pytest.raises(ValueError, match=r"max_model_len=400 needs 25 blocks .*0.05 x 67,108,864 total"):
+        build(gpu_memory_utilization=0.05, max_model_len=400)
+    assert build(max_model_len=400).max_model_len == 400

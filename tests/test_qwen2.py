@@ -204,10 +204,57 @@ def test_bfloat16_close_to_float32(ids, tmp_path):
     assert (l16.argmax(-1) == l32.argmax(-1)).float().mean() >= 0.9
 
 
-def test_float16_refused_on_cpu(tmp_path):
+def test_float16_runs_on_cpu_close_to_float32(ids, tmp_path):
+    # float16 on the CPU is slow, but the book shows float16's behaviour with it where there is no GPU
     tiny_hf(0).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="float16"):
-        load_safetensors_model(tmp_path, dtype="float16", device="cpu")
+    m32 = load_safetensors_model(tmp_path, dtype="float32", device="cpu")
+    m16 = load_safetensors_model(tmp_path, dtype="float16", device="cpu")
+    assert all(p.dtype == torch.float16 for p in m16.parameters())
+    l32, l16 = our_logits(m32, ids), our_logits(m16, ids)
+    assert l16.isfinite().all() and max_diff(l16, l32) <= 0.01 * l32.abs().max().item()
+    assert (l16.argmax(-1) == l32.argmax(-1)).float().mean() >= 0.9
+
+
+def naive_attention(q, k, v) -> torch.Tensor:
+    "softmax(q kᵀ / √D) v in float32, head by head, the queries being the last n of the L positions."
+    n, L, D = q.shape[0], k.shape[0], q.shape[2]
+    q, k, v = q.float(), k.float(), v.float()
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        kv = h // (q.shape[1] // k.shape[1])
+        s = q[:, h] @ k[:, kv].T / D**0.5  # [n, L]
+        s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None], float("-inf"))
+        out[:, h] = s.softmax(-1) @ v[:, kv]
+    return out
+
+
+@pytest.mark.parametrize("n,L", [(1, 9), (5, 5), (3, 11)], ids=["decode", "prompt", "chunk-after-context"])
+def test_attention_in_float16_is_scaled_before_the_product(n, L):
+    # keys as large as Qwen2.5's activations: an unscaled q.k (~64 x 40^2 = 102,400) passes float16's 65,504
+    torch.manual_seed(0)
+    k, v = torch.randn(L, 2, 64) * 40, torch.randn(L, 2, 64)
+    q = k[L - n :, [0, 0, 1, 1]]  # [n, 4, 64]: each query equal to a key
+    assert (q.half()[:, 0] @ k.half()[:, 0].T).isinf().any()  # the product before the scale overflows
+    out = qwen2.causal_attention(q.half(), k.half(), v.half())
+    assert out.dtype == torch.float16 and out.isfinite().all()
+    assert max_diff(out, naive_attention(q, k, v)) < 1e-2
+
+
+@pytest.mark.parametrize("lower_right", [True, False], ids=["causal_lower_right", "torch-without-it"])
+@pytest.mark.parametrize("n,L", [(1, 9), (6, 6), (3, 11)], ids=["decode", "prompt", "chunk-after-context"])
+def test_the_cuda_way_of_attention_equals_the_reference(n, L, lower_right, monkeypatch):
+    # on CUDA, K/V heads are copied (the memory-efficient kernel refuses enable_gqa) and a chunk after cached
+    # context gets `causal_lower_right`; the same arithmetic runs on the CPU, so it is checked here
+    if not lower_right:
+        monkeypatch.setattr(qwen2, "causal_lower_right", None)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(n, 4, 16), torch.randn(L, 2, 16), torch.randn(L, 2, 16)
+    layout = lambda t: t.transpose(0, 1)[None]  # noqa: E731  [1, heads, positions, D]
+    out = qwen2.sdpa_causal(layout(q * 16**-0.5), layout(k), layout(v), copy_kv_heads=True)[0].transpose(0, 1)
+    assert max_diff(out, naive_attention(q, k, v)) < 1e-5
+    assert max_diff(qwen2.causal_attention(q, k, v), naive_attention(q, k, v)) < 1e-5  # the CPU way
+    mask = qwen2.bottom_right_mask(n, L, q.device, lazy=True)
+    assert type(mask).__name__ == ("CausalBias" if lower_right else "Tensor")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1023,7 +1070,11 @@ def test_dtype_rule_on_gpus_of_each_capability(monkeypatch, cap, auto, bf16):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from minivllm.qwen2 import resolve_device
+
+    gpu = resolve_device(None)
+    assert gpu.type == "cuda"
     assert resolve_dtype("auto", gpu) == resolve_dtype(None, gpu) == auto
     assert resolve_dtype("float16", gpu) == torch.float16 and resolve_dtype("float32", gpu) == torch.float32
     if bf16 is None:

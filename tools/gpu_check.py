@@ -1,33 +1,36 @@
 #!/usr/bin/env python
 """One command that proves mini-vLLM's GPU path and prints one JSON (issue: "a GPU check ready to run").
 
-    python tools/gpu_check.py [--out nbs/results/gpu_check.json] [--sections parity,throughput,...]
+    python tools/gpu_check.py [--out PATH] [--sections parity,throughput,...] [--mode gpu|cpu|quick]
 
-On a CUDA machine it measures, on the bundled model's shapes (a stand-in with random weights built by
-`.gpu/make_model.py` or `../shared/gpu/make_model.py`, bfloat16 where the GPU has it, float16 below):
+On a CUDA machine (mode gpu) it measures, on the bundled model's shapes (a stand-in with random weights and
+the real tokenizer, built from `.gpu/` or `../shared/gpu/`; bfloat16 from capability 8.0, float16 below):
 - parity: greedy tokens of our engine against transformers' `generate` in float32 on tiny random Qwen2s
-  (4 configs x block sizes 1 and 16), with the reference and the Triton decode backend, CUDA graphs on and off;
-- two_engines: an engine dropped and another built (default memory sizing), then two alive with fixed budgets;
+  (4 configs x block sizes 1 and 16), per engine variant: attention backend torch / triton, graphs on / off;
+- two_engines: an engine dropped and another built (default memory sizing), then two alive, fixed budgets;
 - long_prompt: one 16,384-token prompt through the engine, and the peak memory;
-- throughput: output tokens/s at 1, 16, 64 and 256 concurrent requests, ours and transformers' on the same GPU and
-  dtype (and ours with graphs off at 1 and 64);
-- nano_vllm: nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024, seed 0);
-- decode_step: kernels per decode step and the share of a step the GPU is busy (torch.profiler), at 1 and 64.
-Without CUDA it runs the same sections small on the CPU (the Triton kernel in its interpreter), so that it is
-tried before a GPU is at hand. Each section's failure is recorded in the JSON, and the others still run.
+- throughput: output tokens/s at 1, 16, 64 and 256 concurrent requests, ours and transformers' on the same
+  GPU and dtype (and ours with graphs off at 1 and 64);
+- nano_vllm_workload: nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024);
+- decode_step: kernels and launch calls per decode step, the share of a step the GPU is busy (torch.profiler).
+Without CUDA (mode cpu, or quick for the test) it runs the same sections small on a tiny model with the
+bundled vocabulary (the Triton kernel in its interpreter), so that it is tried before a GPU is at hand. A
+section's failure is recorded in the JSON (`{"error": ..., "trace": [...]}`) and the others still run.
+Progress goes to stderr; stdout holds only the JSON.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,12 +42,66 @@ if not CUDA:
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minivllm.bench import BenchRequest, machine_info, run_hf  # noqa: E402
-from minivllm.engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from minivllm.qwen2 import Tokenizer, load_model  # noqa: E402
+from minivllm import engine as engine_module  # noqa: E402
+from minivllm.bench import BenchRequest, machine_info, run_hf, run_ours  # noqa: E402
+from minivllm.engine import EngineArgs, LLMEngine, SamplingParams, parse_bytes  # noqa: E402
+from minivllm.qwen2 import load_model  # noqa: E402
 
 T0 = time.perf_counter()
-SECTIONS = ("parity", "decode_step", "throughput", "nano_vllm", "long_prompt", "two_engines")
+# cheap ones first
+SECTIONS = ("parity", "two_engines", "long_prompt", "decode_step", "throughput", "nano_vllm_workload")
+ALIASES = {"nano_vllm": "nano_vllm_workload"}  # the name of the first H200 run's section
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)  # fmt: skip
+PARITY_CONFIGS = [  # on top of TINY; the bundled vocabulary
+    dict(num_key_value_heads=2),  # GQA
+    dict(num_key_value_heads=4, tie_word_embeddings=True),  # MHA, the LM head tied to the embeddings
+    dict(num_key_value_heads=1),  # MQA
+    dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2),  # wider, 6 heads (head_dim stays 64)
+]
+# host calls that launch work on the GPU
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                "cudaGraphLaunch")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    "Every size the sections use, in one place per mode."
+
+    full_model: bool  # the stand-in at the bundled model's shapes, else TINY with the bundled vocabulary
+    parity_configs: int  # the first n of PARITY_CONFIGS
+    parity_prompts: tuple[int, ...]  # prompt lengths, run as one batch
+    parity_new: int  # greedy tokens per prompt
+    long_prompt: int  # tokens
+    concurrency: tuple[int, ...]  # throughput: 2c requests at each
+    eager_at: tuple[int, ...]  # throughput: concurrencies also run with enforce_eager=True
+    output_tokens: int  # throughput: per request, ours and transformers'
+    hf_at_1: tuple[int, int]  # throughput: transformers' requests and output tokens at concurrency 1
+    nano: tuple[int, int, int]  # requests, shortest and longest prompt and output
+    decode_batches: tuple[int, ...]
+    decode_steps: int  # steps profiled
+    kv: dict  # KV cache budget per section
+
+
+PLANS = {
+    "gpu": Plan(True, 4, (5, 17, 33, 2), 16, 16384, (1, 16, 64, 256), (1, 64), 128, (2, 64), (256, 100, 1024),
+                (1, 64), 10, dict(throughput="16GiB", nano="24GiB", long="8GiB", decode="4GiB", two="2GiB")),
+    "cpu": Plan(False, 4, (2, 5, 11), 4, 2048, (1, 4, 8), (1, 8), 16, (2, 16), (16, 16, 64), (1, 8), 5,
+                dict(throughput="256MiB", nano="512MiB", long="256MiB", decode="128MiB", two="64MiB")),
+    "quick": Plan(False, 1, (2, 5), 3, 256, (1, 4), (4,), 8, (2, 8), (8, 8, 24), (1, 4), 3,
+                  dict(throughput="64MiB", nano="64MiB", long="64MiB", decode="64MiB", two="32MiB")),
+}  # fmt: skip
+
+
+@dataclass
+class Ctx:
+    "What every section reads: the plan, the device, the stand-in's dtype and folder, a scratch folder."
+
+    plan: Plan
+    dev: str
+    dtype: str
+    tmp: Path
+    standin: Path | None = None  # built on first use
 
 
 def say(msg: str) -> None:
@@ -57,11 +114,11 @@ def gpu_dir() -> Path:
     for d in (ROOT / ".gpu", ROOT.parent / "shared" / "gpu"):
         if (d / "bundled_config.json").exists():
             return d
-    raise FileNotFoundError("no .gpu/ or ../shared/gpu/ with bundled_config.json")
+    raise FileNotFoundError(f"no {ROOT / '.gpu'} or {ROOT.parent / 'shared/gpu'} with bundled_config.json")
 
 
 def save_model(folder: Path, cfg: dict, dtype: torch.dtype, seed: int = 0, init: float = 0.05) -> Path:
-    "A random Qwen2 saved by transformers with the bundled model's tokenizer: the stand-in or a tiny one."
+    "A random Qwen2 saved by transformers with the bundled model's tokenizer (as make_model.py builds it)."
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -72,157 +129,55 @@ def save_model(folder: Path, cfg: dict, dtype: torch.dtype, seed: int = 0, init:
     return folder
 
 
-def standin_config(small: bool) -> dict:
-    "The bundled model's shapes, or (on the CPU) a tiny model with its vocabulary."
+def bundled_config(full: bool) -> dict:
+    "The bundled model's shapes, or TINY with its vocabulary."
     cfg = json.loads((gpu_dir() / "bundled_config.json").read_text())
-    if small:
-        cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2)  # fmt: skip
-    return cfg
+    return cfg if full else cfg | TINY
+
+
+def standin(ctx: Ctx) -> Path:
+    "The stand-in's folder: the one given by --standin if it holds a model, else built there (once)."
+    if ctx.standin is None or not (ctx.standin / "config.json").exists():
+        folder = ctx.standin or ctx.tmp / "standin"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model(folder, bundled_config(ctx.plan.full_model), getattr(torch, ctx.dtype))
+        ctx.standin = folder
+        say(f"stand-in model built in {folder}")
+    return ctx.standin
 
 
 def engine_kw(**kw) -> dict:
-    "Engine options, without those this checkout's EngineArgs does not have (so the script runs on older ones)."
-    names = set(EngineArgs.__dataclass_fields__)
+    "Engine options, less those this checkout's EngineArgs lacks (so the script runs on older checkouts)."
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
     return {k: v for k, v in kw.items() if k in names}
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, params: dict | None = None) -> dict:
-    "Every prompt (token ids) through the engine at once: outputs in order, seconds, output tokens."
-    sp = SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, **(params or {})})
-    ids = [engine.add_request({"prompt_token_ids": p}, sp) for p in prompts]
-    done, t0 = {}, time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-    if CUDA:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    outs = [done[i] for i in ids]
-    return {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs))}
-
-
-def variants() -> list[dict]:
-    "The engine variants parity checks: the reference backend eager, Triton eager, Triton with CUDA graphs."
-    out = [dict(attention_backend="torch", enforce_eager=True), dict(attention_backend="triton", enforce_eager=True),
-           dict(attention_backend="triton", enforce_eager=False)]  # fmt: skip
-    return [v for v in out if engine_kw(**v) == v] or [{}]
+def uses_graphs(dev: str, **kw) -> bool | None:
+    "Whether an engine with these options replays decode steps from CUDA graphs (None: can't tell)."
+    fn = getattr(engine_module, "uses_cuda_graphs", None)
+    return None if fn is None else fn(EngineArgs(**engine_kw(**kw)), torch.device(dev))
 
 
 def free() -> None:
-    "Give back what dropped engines held."
+    "Give back what dropped engines and models held."
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-def parity(a, dev: str, tmp: Path) -> dict:
-    "Greedy tokens identical to transformers in float32, per engine variant."
-    from transformers import AutoModelForCausalLM
-
-    base = standin_config(True) | dict(max_position_embeddings=512)
-    configs = [
-        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2),  # GQA
-        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4),  # MHA
-        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1),  # MQA
-        dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False),
-    ]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(n)] for n in (5, 17, 33, 2)]
-    new = 16 if CUDA else 8
-    res = {"per_variant": {}, "configs": len(configs), "block_sizes": [1, 16], "prompts": len(prompts)}
-    for ci, extra in enumerate(configs):
-        folder = save_model(tmp / f"tiny{ci}", base | extra, torch.float32, seed=ci, init=0.2)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
-        want = []
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-            want.append(out[0, len(p):].tolist())
-        del hf
-        model, tok = load_model(str(folder), "float32", dev)
-        for v in variants():
-            for bs in (1, 16):
-                eng = LLMEngine(model, tok, **engine_kw(block_size=bs, num_kv_blocks=4096 // bs, **v))
-                got = generate(eng, prompts, new)["outputs"]
-                key = ",".join(f"{k}={x}" for k, x in v.items()) or "default"
-                r = res["per_variant"].setdefault(key, {"identical": 0, "total": 0, "graphs": None})
-                r["identical"] += sum(g == w for g, w in zip(got, want))
-                r["total"] += len(prompts)
-                r["graphs"] = getattr(eng.runner, "graphs", None) is not None
-                del eng
-        del model
-        free()
-        say(f"parity: config {ci} done")
-    return res
-
-
-def two_engines(a, dev: str, folder: Path, dtype: str) -> dict:
-    "An engine dropped and another built with default memory sizing; then two alive with fixed budgets."
-    res = {}
-    model, tok = load_model(str(folder), dtype, dev)
-    prompt = [[1000 + i for i in range(32)]]
-    for step in ("first", "second_after_drop"):
-        try:
-            eng = LLMEngine(model, tok, **engine_kw(max_num_seqs=8))
-            generate(eng, prompt, 8)
-            res[step] = {"ok": True, "num_blocks": eng.block_manager.num_blocks}
-        except Exception as e:
-            res[step] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        eng = None
-        free()
-    try:
-        budget = "2GiB" if CUDA else "64MiB"
-        e1 = LLMEngine(model, tok, **engine_kw(max_num_seqs=8, kv_cache_memory=_bytes(budget)))
-        e2 = LLMEngine(model, tok, **engine_kw(max_num_seqs=8, kv_cache_memory=_bytes(budget)))
-        same = generate(e1, prompt, 8)["outputs"] == generate(e2, prompt, 8)["outputs"]
-        res["two_alive_fixed_budgets"] = {"ok": True, "budget": budget, "same_tokens": same}
-    except Exception as e:
-        res["two_alive_fixed_budgets"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    e1 = e2 = model = None
-    free()
-    return res
-
-
-def _bytes(s: str) -> int:
-    "'2GiB' -> bytes."
-    from minivllm.engine import parse_bytes
-
-    return parse_bytes(s)
-
-
-def long_prompt(a, dev: str, folder: Path, dtype: str) -> dict:
-    "One long prompt through the engine: no out-of-memory, and the peak memory."
-    n = 16384 if CUDA else 2048
-    model, tok = load_model(str(folder), dtype, dev)
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
-    eng = LLMEngine(model, tok, **engine_kw(max_num_seqs=4, kv_cache_memory=_bytes("8GiB" if CUDA else "256MiB")))
-    rng = random.Random(1)
-    r = generate(eng, [[rng.randrange(1000, 100000) for _ in range(n)]], 8)
-    out = {"prompt_tokens": n, "new_tokens": r["tokens"], "seconds": round(r["seconds"], 2), "ok": r["tokens"] == 8}
-    if CUDA:
-        out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-    del eng, model
-    free()
-    return out
-
-
-def _requests(n: int, prompt_len: tuple[int, int], out_len: tuple[int, int], seed: int) -> list[BenchRequest]:
-    "n requests of random token ids, lengths uniform in the given ranges."
+def random_requests(n: int, prompt: tuple[int, int], out: tuple[int, int], seed: int) -> list[BenchRequest]:
+    "n requests of random token ids, prompt and output lengths uniform in the given ranges."
     rng = random.Random(seed)
-    return [BenchRequest([rng.randrange(1000, 100000) for _ in range(rng.randint(*prompt_len))],
-                         rng.randint(*out_len)) for _ in range(n)]  # fmt: skip
+    lens = [(rng.randint(*prompt), rng.randint(*out)) for _ in range(n)]
+    return [BenchRequest([rng.randrange(1000, 100000) for _ in range(p)], o) for p, o in lens]
 
 
-def _ours(model, tok, reqs: list[BenchRequest], c: int, **kw) -> dict:
-    "Our engine on `reqs` with at most `c` running; output tokens/s."
-    eng = LLMEngine(model, tok, **engine_kw(max_num_seqs=c, **kw))
-    generate(eng, [reqs[0].prompt_token_ids], 4)  # warm-up: first calls set up kernels
-    sp = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
-    ids = [eng.add_request({"prompt_token_ids": r.prompt_token_ids}, p) for r, p in zip(reqs, sp)]
+def generate(eng: LLMEngine, reqs: list[BenchRequest], **params) -> dict:
+    "Every request through the engine at once (ignore_eos, greedy unless `params` say): outputs, seconds."
+    ids = []
+    for r in reqs:
+        sp = SamplingParams(**{"temperature": 0, "max_tokens": r.max_tokens, "ignore_eos": True, **params})
+        ids.append(eng.add_request({"prompt_token_ids": r.prompt_token_ids}, sp))
     done, t0 = {}, time.perf_counter()
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -230,145 +185,385 @@ def _ours(model, tok, reqs: list[BenchRequest], c: int, **kw) -> dict:
                 done[o.request_id] = o.outputs[0].token_ids
     if CUDA:
         torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tokens = sum(len(done[i]) for i in ids)
-    graphs = getattr(eng.runner, "graphs", None) is not None
-    del eng
-    free()
-    return {"tok_s": round(tokens / dt, 1), "seconds": round(dt, 2), "tokens": tokens, "graphs": graphs}
+    outs = [done[i] for i in ids]
+    return {"outputs": outs, "seconds": time.perf_counter() - t0, "tokens": sum(map(len, outs))}
 
 
-def throughput(a, dev: str, folder: Path, dtype: str) -> dict:
-    "Ours and transformers' at each concurrency, same GPU and dtype, prompts 32-64 tokens, outputs fixed."
+# ------------------------------------------------------------------------------------------------------------
+def variants() -> list[dict]:
+    "Parity's engine variants: attention backend torch / triton x graphs off / on, as far as EngineArgs goes."
+    out = [dict(attention_backend=b, enforce_eager=e) for b in ("torch", "triton") for e in (True, False)]
+    seen = []
+    for v in out:
+        v = engine_kw(**v)
+        if v not in seen:
+            seen.append(v)  # an older checkout without the fields: one variant, the default
+    return seen
+
+
+def _variant_name(v: dict) -> str:
+    "'attention_backend=triton,enforce_eager=False', or 'default'."
+    return ",".join(f"{k}={x}" for k, x in v.items()) or "default"
+
+
+def _hf_greedy(folder: Path, reqs: list[BenchRequest], dev: str) -> list[list[int]]:
+    "transformers' greedy tokens in float32, prompt by prompt (no padding), EOS ignored."
     from transformers import AutoModelForCausalLM
 
-    conc = (1, 16, 64, 256) if CUDA else (1, 4, 8)
-    new = 128 if CUDA else 16
-    kv = _bytes("16GiB" if CUDA else "256MiB")
-    model, tok = load_model(str(folder), dtype, dev)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
+    want = []
+    for r in reqs:
+        with torch.inference_mode():
+            ids, n = torch.tensor([r.prompt_token_ids], device=dev), r.max_tokens  # [1, L]
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)  # fmt: skip
+        want.append(out[0, len(r.prompt_token_ids) :].tolist())
+    return want
+
+
+def _parity_one(ctx: Ctx, folder: Path, reqs: list[BenchRequest], want: list, res: dict) -> None:
+    "Our engine's tokens on one tiny model, per variant and block size, tallied into res['per_variant']."
+    model, tok = load_model(str(folder), "float32", ctx.dev)
+    for v in variants():
+        r = res["per_variant"].setdefault(_variant_name(v), {"identical": 0, "total": 0})
+        r["graphs"] = uses_graphs(ctx.dev, **v)
+        for bs in (1, 16):
+            try:
+                eng = LLMEngine(model, tok, **engine_kw(block_size=bs, num_kv_blocks=4096 // bs, **v))
+                got = generate(eng, reqs)["outputs"]
+                r["identical"] += sum(g == w for g, w in zip(got, want))
+            except Exception as e:  # one variant failing leaves the others to run
+                r.setdefault("errors", []).append(f"block {bs}: {type(e).__name__}: {e}"[:400])
+            r["total"] += len(reqs)
+            eng = None
+            free()
+
+
+def parity(ctx: Ctx) -> dict:
+    "Greedy tokens identical to transformers in float32 on tiny random Qwen2s, per engine variant."
+    p = ctx.plan
+    rng = random.Random(0)
+    reqs = [BenchRequest([rng.randrange(1000, 100000) for _ in range(n)], p.parity_new)
+            for n in p.parity_prompts]  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    res = {"variants": [_variant_name(v) for v in variants()],
+           "engine_fields": {k: k in fields for k in ("attention_backend", "enforce_eager")},
+           "configs": PARITY_CONFIGS[: p.parity_configs], "block_sizes": [1, 16],
+           "prompt_lengths": list(p.parity_prompts), "new_tokens": p.parity_new,
+           "per_variant": {}}  # fmt: skip
+    for ci, extra in enumerate(PARITY_CONFIGS[: p.parity_configs]):
+        cfg = bundled_config(False) | extra | dict(max_position_embeddings=512)
+        folder = save_model(ctx.tmp / f"tiny{ci}", cfg, torch.float32, seed=ci, init=0.2)
+        want = _hf_greedy(folder, reqs, ctx.dev)
+        _parity_one(ctx, folder, reqs, want, res)
+        shutil.rmtree(folder, ignore_errors=True)
+        say(f"parity: config {ci} done")
+    res["identical"] = sum(r["identical"] for r in res["per_variant"].values())
+    res["total"] = sum(r["total"] for r in res["per_variant"].values())
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _build_and_generate(model, tok, prompt: list[BenchRequest], **kw) -> tuple[dict, LLMEngine | None]:
+    "An engine built and run on `prompt`: a record of it, and the engine (None when it failed)."
+    try:
+        eng = LLMEngine(model, tok, **engine_kw(max_num_seqs=8, **kw))
+        out = generate(eng, prompt)["outputs"]
+        return {"ok": True, "num_blocks": eng.block_manager.num_blocks, "tokens": out}, eng
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}, None
+
+
+def two_engines(ctx: Ctx) -> dict:
+    "An engine dropped and another built with default memory sizing; then two alive with fixed budgets."
+    model, tok = load_model(str(standin(ctx)), ctx.dtype, ctx.dev)
+    prompt, res = random_requests(1, (32, 32), (8, 8), seed=2), {}
+    for step in ("first", "second_after_drop"):
+        res[step], eng = _build_and_generate(model, tok, prompt)
+        del eng  # dropped, then collected: its pool must go back before the next engine sizes its own
+        free()
+    budget = parse_bytes(ctx.plan.kv["two"])
+    r1, e1 = _build_and_generate(model, tok, prompt, kv_cache_memory=budget)
+    r2, e2 = _build_and_generate(model, tok, prompt, kv_cache_memory=budget)
+    res["two_alive_fixed_budgets"] = {"ok": r1["ok"] and r2["ok"], "budget": ctx.plan.kv["two"],
+                                      "same_tokens": r1.get("tokens") == r2.get("tokens"),
+                                      "errors": [r["error"] for r in (r1, r2) if not r["ok"]]}  # fmt: skip
+    del e1, e2, model
+    free()
+    for r in res.values():
+        r.pop("tokens", None)
+    res["ok"] = all(r["ok"] for r in res.values())
+    return res
+
+
+def long_prompt(ctx: Ctx) -> dict:
+    "One long prompt through the engine on the stand-in: it finishes, and the peak memory."
+    n = ctx.plan.long_prompt
+    model, tok = load_model(str(standin(ctx)), ctx.dtype, ctx.dev)
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    eng = LLMEngine(model, tok, **engine_kw(max_num_seqs=4, kv_cache_memory=parse_bytes(ctx.plan.kv["long"])))
+    r = generate(eng, random_requests(1, (n, n), (8, 8), seed=1))
+    out = {"prompt_tokens": n, "new_tokens": r["tokens"], "seconds": round(r["seconds"], 2),
+           "ok": r["tokens"] == 8}  # fmt: skip
+    if CUDA:
+        out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    del eng, model
+    free()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _ours(ctx: Ctx, model, tok, reqs: list[BenchRequest], c: int, **kw) -> dict:
+    "bench.run_ours on `reqs`, at most `c` running, after an untimed run of c short ones on another engine."
+    kw = engine_kw(kv_cache_memory=parse_bytes(ctx.plan.kv["throughput"]), **kw)
+    run_ours(model, tok, [BenchRequest(r.prompt_token_ids, 4) for r in reqs[:c]], c, **kw)  # kernels, shapes
+    free()
+    r = run_ours(model, tok, reqs, c, **kw)
+    free()
+    return {"tok_s": round(r["tok_per_s"], 1), "seconds": round(r["seconds"], 2), "tokens": r["tokens"],
+            "steps": r["steps"], "preemptions": r["preemptions"],
+            "graphs": uses_graphs(ctx.dev, **kw)}  # fmt: skip
+
+
+def _hf_rows(ctx: Ctx, folder: Path, rows: list[dict]) -> None:
+    "transformers' generate on each row's requests (fewer at concurrency 1: it is slow there), into the rows."
+    from minivllm.bench import _hf_model
+
+    p = ctx.plan
+    hf = _hf_model(folder, getattr(torch, ctx.dtype), ctx.dev)
+    run_hf(hf, [BenchRequest([1000] * 8, 4)], 1, pad_id=0)  # warm-up
+    for row in rows:
+        c = row["concurrency"]
+        n, new = p.hf_at_1 if c == 1 else (2 * c, p.output_tokens)
+        h = run_hf(hf, random_requests(n, (32, 64), (new, new), seed=c), c, pad_id=0)
+        row["transformers"] = {"tok_s": round(h["tok_per_s"], 1), "seconds": round(h["seconds"], 2),
+                               "requests": n, "output_tokens": new}  # fmt: skip
+        row["ratio"] = round(row["ours"]["tok_s"] / h["tok_per_s"], 2)
+        say(f"throughput c={c}: transformers {row['transformers']['tok_s']} tok/s, ratio {row['ratio']}")
+    del hf
+    free()
+
+
+def throughput(ctx: Ctx) -> dict:
+    "Ours and transformers' output tokens/s at each concurrency, same device and dtype, prompts 32-64 tokens."
+    p, folder = ctx.plan, standin(ctx)
+    model, tok = load_model(str(folder), ctx.dtype, ctx.dev)
     rows = []
-    for c in conc:
-        reqs = _requests(2 * c, (32, 64), (new, new), seed=c)
-        row = {"concurrency": c, "requests": len(reqs), "output_tokens": new, "ours": _ours(model, tok, reqs, c, kv_cache_memory=kv)}
-        if c in (1, 64) or (not CUDA and c == conc[-1]):
-            row["ours_eager"] = _ours(model, tok, reqs, c, kv_cache_memory=kv, enforce_eager=True)
+    for c in p.concurrency:
+        reqs = random_requests(2 * c, (32, 64), (p.output_tokens, p.output_tokens), seed=c)
+        row = {"concurrency": c, "requests": len(reqs), "output_tokens": p.output_tokens}
+        row["ours"] = _ours(ctx, model, tok, reqs, c)
+        if c in p.eager_at:
+            row["ours_eager"] = _ours(ctx, model, tok, reqs, c, enforce_eager=True)
         rows.append(row)
         say(f"throughput c={c}: ours {row['ours']['tok_s']} tok/s")
     del model
     free()
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(dev).eval()
-    run_hf(hf, [BenchRequest([1000] * 8, 4)], 1, pad_id=0)  # warm-up
-    for row in rows:
-        c = row["concurrency"]
-        reqs = _requests(2 * c, (32, 64), (new, new), seed=c)
-        h = run_hf(hf, reqs, c, pad_id=0)
-        row["transformers_tok_s"] = round(h["tok_per_s"], 1)
-        row["ratio"] = round(row["ours"]["tok_s"] / h["tok_per_s"], 2)
-        say(f"throughput c={c}: transformers {row['transformers_tok_s']} tok/s, ratio {row['ratio']}")
-    del hf
-    free()
-    return {"dtype": dtype, "rows": rows}
+    _hf_rows(ctx, folder, rows)
+    return {"dtype": ctx.dtype, "prompt_tokens": [32, 64], "rows": rows}
 
 
-def nano_vllm(a, dev: str, folder: Path, dtype: str) -> dict:
+def step_breakdown(eng: LLMEngine) -> dict:
+    "Where a run's steps went: pure decode steps (graphs replay these) against steps with prefill rows (eager)."
+    decode = [s for s in eng.step_log if s.prefill_tokens == 0]
+    mixed = [s for s in eng.step_log if s.prefill_tokens > 0]
+    ms = lambda xs: round(1e3 * sum(s.seconds for s in xs) / max(len(xs), 1), 2)  # noqa: E731
+    return {"decode_steps": len(decode), "decode_s": round(sum(s.seconds for s in decode), 2), "decode_ms": ms(decode),
+            "decode_rows_mean": round(sum(s.decode_seqs for s in decode) / max(len(decode), 1), 1),
+            "prefill_steps": len(mixed), "prefill_s": round(sum(s.seconds for s in mixed), 2), "prefill_ms": ms(mixed)}  # fmt: skip
+
+
+def nano_vllm_workload(ctx: Ctx) -> dict:
     "nano-vllm's bench.py workload: 256 requests, prompt and output lengths uniform in 100..1024, seed 0."
-    n, lo, hi = (256, 100, 1024) if CUDA else (16, 16, 64)
-    reqs = _requests(n, (lo, hi), (lo, hi), seed=0)
-    model, tok = load_model(str(folder), dtype, dev)
-    r = _ours(model, tok, reqs, n, kv_cache_memory=_bytes("24GiB" if CUDA else "512MiB"))
+    n, lo, hi = ctx.plan.nano
+    reqs = random_requests(n, (lo, hi), (lo, hi), seed=0)
+    model, tok = load_model(str(standin(ctx)), ctx.dtype, ctx.dev)
+    kw = engine_kw(max_num_seqs=n, kv_cache_memory=parse_bytes(ctx.plan.kv["nano"]))
+    generate(LLMEngine(model, tok, **kw), [BenchRequest(r.prompt_token_ids[:64], 4) for r in reqs])  # warm-up
+    free()
+    res = {"requests": n, "lengths": [lo, hi], "seed": 0, "ignore_eos": True}
+    for sampling in ({"temperature": 0.6}, {"temperature": 0}):  # nano-vllm's; greedy where sampling fails
+        try:
+            eng = LLMEngine(model, tok, **kw, log_steps=True)
+            r = generate(eng, reqs, **sampling)
+            res |= {"sampling": sampling, "output_tok_s": round(r["tokens"] / r["seconds"], 1),
+                    "seconds": round(r["seconds"], 2), "output_tokens": r["tokens"], "steps": step_breakdown(eng)}  # fmt: skip
+            del eng
+            break
+        except Exception as e:
+            res["sampling_error"] = f"{sampling}: {type(e).__name__}: {e}"[:600]
+            free()
+    res["graphs"] = uses_graphs(ctx.dev, **kw)
     del model
     free()
-    return {"requests": n, "lengths": [lo, hi], "sampling": "greedy, ignore_eos", "output_tok_s": r["tok_s"],
-            "seconds": r["seconds"], "output_tokens": r["tokens"], "graphs": r["graphs"]}  # fmt: skip
+    return res
 
 
-def decode_step(a, dev: str, folder: Path, dtype: str) -> dict:
-    "Kernels launched per decode step and the share of the step's wall time the GPU is busy (torch.profiler)."
+# ------------------------------------------------------------------------------------------------------------
+def _profile_steps(eng: LLMEngine, steps: int) -> tuple[list, float]:
+    "torch.profiler's events over `steps` engine steps, and the wall seconds of one step."
     from torch.profiler import ProfilerActivity, profile
 
-    model, tok = load_model(str(folder), dtype, dev)
-    res = {}
-    for B in (1, 64) if CUDA else (1, 8):
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        if CUDA:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    return list(prof.events()), wall
+
+
+def _step_row(evts: list, wall: float, steps: int) -> dict:
+    "Per step: GPU kernels, host launch calls and the GPU's busy share (CUDA), or aten ops (CPU)."
+    row = {"step_ms": round(wall * 1e3, 2)}
+    if not CUDA:
+        return row | {"aten_ops_per_step": sum(e.name.startswith("aten::") for e in evts) / steps}
+    kernels = [e for e in evts if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels) / steps
+    return row | {"kernels_per_step": len(kernels) / steps,
+                  "launch_calls_per_step": sum(e.name in LAUNCH_CALLS for e in evts) / steps,
+                  "graph_launches_per_step": sum(e.name == "cudaGraphLaunch" for e in evts) / steps,
+                  "gpu_busy_ms": round(busy_us / 1e3, 3),
+                  "gpu_busy": round(busy_us / (wall * 1e6), 3)}  # fmt: skip
+
+
+def decode_step(ctx: Ctx) -> dict:
+    "Kernels launched per decode step and the share of the step's wall time the GPU is busy (torch.profiler)."
+    p = ctx.plan
+    model, tok = load_model(str(standin(ctx)), ctx.dtype, ctx.dev)
+    res = {"steps_profiled": p.decode_steps}
+    for B in p.decode_batches:
         for eager in (False, True):
-            eng = LLMEngine(model, tok, **engine_kw(max_num_seqs=B, enforce_eager=eager, kv_cache_memory=_bytes("4GiB" if CUDA else "128MiB")))
+            kw = engine_kw(max_num_seqs=B, enforce_eager=eager, kv_cache_memory=parse_bytes(p.kv["decode"]))
+            eng = LLMEngine(model, tok, **kw)
             sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             for i in range(B):
                 eng.add_request({"prompt_token_ids": [1000 + i] * 64}, sp)
-            for _ in range(8):  # prefill, then a few decode steps to warm up
+            for _ in range(8):  # the prefill, then decode steps to warm up
                 eng.step()
-            steps = 10
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
-            with profile(activities=acts) as prof:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    eng.step()
-                if CUDA:
-                    torch.cuda.synchronize()
-                wall = (time.perf_counter() - t0) / steps
-            evts = prof.events()
-            if CUDA:
-                kernels = [e for e in evts if e.device_type == torch.autograd.DeviceType.CUDA]
-                busy_us = sum(e.device_time for e in kernels) / steps
-                graph_launches = sum(1 for e in evts if e.name == "cudaGraphLaunch") / steps
-                row = {"kernels_per_step": len(kernels) / steps, "graph_launches_per_step": graph_launches,
-                       "step_ms": round(wall * 1e3, 2), "gpu_busy": round(busy_us / (wall * 1e6), 3)}  # fmt: skip
-            else:
-                ops = [e for e in evts if e.name.startswith("aten::")]
-                row = {"aten_ops_per_step": len(ops) / steps, "step_ms": round(wall * 1e3, 2)}
-            row["graphs"] = getattr(eng.runner, "graphs", None) is not None
+            row = _step_row(*_profile_steps(eng, p.decode_steps), p.decode_steps)
+            row["graphs"] = uses_graphs(ctx.dev, **kw)
             res[f"batch {B}" + (" eager" if eager else "")] = row
             say(f"decode_step B={B} eager={eager}: {row}")
-            del eng
+            eng = None
             free()
     del model
     free()
     return res
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", help="also write the JSON to this path")
-    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
-    p.add_argument("--dtype", help="dtype of the stand-in runs (default: bfloat16 from capability 8.0, else float16; float32 on the CPU)")
-    a = p.parse_args(argv)
-    dev = "cuda" if CUDA else "cpu"
-    dtype = a.dtype or (("bfloat16" if torch.cuda.get_device_capability() >= (8, 0) else "float16") if CUDA else "float32")
-    res = {"machine": machine_info(), "mode": "gpu" if CUDA else "cpu (small)", "dtype": dtype}
-    if CUDA:
-        res["machine"]["capability"] = list(torch.cuda.get_device_capability())
+# ------------------------------------------------------------------------------------------------------------
+def machine() -> dict:
+    "bench.machine_info() (CPU model, cores, torch, date), the GPU's name, capability, memory; versions."
+    import transformers
+
+    m = machine_info() | {"transformers": transformers.__version__, "python": sys.version.split()[0]}
     try:
         import triton
 
-        res["machine"]["triton"] = triton.__version__
+        m["triton"] = triton.__version__
     except ImportError:
-        res["machine"]["triton"] = None
-    import transformers
+        m["triton"] = None
+    if CUDA:
+        props = torch.cuda.get_device_properties(0)
+        m |= {"device": props.name, "capability": list(torch.cuda.get_device_capability()),
+              "gpu_memory_gb": round(props.total_memory / 1e9, 1),
+              "cuda_runtime": torch.version.cuda}  # fmt: skip
+    else:
+        m["device"] = "cpu"
+    return m
 
-    res["machine"]["transformers"] = transformers.__version__
-    tmp = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    folder = None
-    for name in a.sections.split(","):
-        say(f"section {name}")
-        t0 = time.perf_counter()
-        try:
-            if name != "parity" and folder is None:
-                folder = save_model(tmp / "standin", standin_config(not CUDA), getattr(torch, dtype))
-                say(f"stand-in model in {folder}")
-            fn = globals()[name]
-            res[name] = fn(a, dev, tmp) if name == "parity" else fn(a, dev, folder, dtype)
-        except Exception as e:
-            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc().splitlines()[-8:]}
-            free()
-        res.setdefault(name, {})
-        if isinstance(res[name], dict):
-            res[name]["section_seconds"] = round(time.perf_counter() - t0, 1)
-        say(f"section {name} done: {json.dumps(res[name])[:300]}")
-    res["total_seconds"] = round(time.perf_counter() - T0, 1)
+
+def run_section(name: str, ctx: Ctx) -> dict:
+    "One section, its failure recorded rather than raised, and its seconds."
+    say(f"section {name}")
+    t0 = time.perf_counter()
+    try:
+        res = globals()[name](ctx)
+    except Exception as e:
+        res = {"error": f"{type(e).__name__}: {e}"[:1000], "trace": traceback.format_exc().splitlines()[-8:]}
+        free()
+    res["section_seconds"] = round(time.perf_counter() - t0, 1)
+    say(f"section {name} done: {json.dumps(res)[:300]}")
+    return res
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    "The command line, checked: known sections, a mode this machine can run."
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="also write the JSON to this path (nothing is written by default)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, of " + ",".join(SECTIONS))
+    p.add_argument("--mode", choices=list(PLANS), default="gpu" if CUDA else "cpu",
+                   help="sizes: gpu (the default with CUDA), cpu (small, the default without), quick (tests)")
+    p.add_argument("--dtype", help="the stand-in's dtype (default: bfloat16 from capability 8.0, else "
+                                   "float16; float32 on the CPU)")  # fmt: skip
+    p.add_argument("--standin", type=Path,
+                   help="the stand-in's folder: used if it holds a model, else built there "
+                        "(default: a scratch folder, removed at the end)")  # fmt: skip
+    p.add_argument("--deadline", type=float, default=330.0 if CUDA else None,
+                   help="seconds after which no section starts (default: 330 with CUDA, none without)")
+    a = p.parse_args(argv)
+    a.sections = [ALIASES.get(s.strip(), s.strip()) for s in a.sections.split(",") if s.strip()]
+    unknown = [s for s in a.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown sections {unknown}: choose from {', '.join(SECTIONS)}")
+    if a.mode == "gpu" and not CUDA:
+        p.error("--mode gpu needs CUDA (torch.cuda.is_available() is False): use --mode cpu")
+    return a
+
+
+def default_dtype() -> str:
+    "bfloat16 on GPUs from capability 8.0, float16 below (a T4), float32 on the CPU."
+    if not CUDA:
+        return "float32"
+    return "bfloat16" if torch.cuda.get_device_capability() >= (8, 0) else "float16"
+
+
+def write(res: dict, out: str | None) -> str:
+    "The record as JSON text, also written to `out` if given (after each section: a killed run keeps part)."
     text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    return text
+
+
+def run(a: argparse.Namespace) -> dict:
+    "Every asked-for section in turn, into one record; those that would start past --deadline are skipped."
+    ctx = Ctx(PLANS[a.mode], "cuda" if CUDA else "cpu", a.dtype or default_dtype(),
+              Path(tempfile.mkdtemp(prefix="gpu-check-")), a.standin)  # fmt: skip
+    res = {"machine": machine(), "mode": a.mode, "dtype": ctx.dtype, "plan": dataclasses.asdict(ctx.plan),
+           "sections": a.sections, "deadline_s": a.deadline}  # fmt: skip
+    try:
+        for name in a.sections:
+            late = a.deadline is not None and time.perf_counter() - T0 > a.deadline
+            res[name] = {"skipped": f"past the deadline, {a.deadline} s"} if late else run_section(name, ctx)
+            res["total_seconds"] = round(time.perf_counter() - T0, 1)
+            write(res, a.out)
+    finally:
+        shutil.rmtree(ctx.tmp, ignore_errors=True)
+    res["errors"] = [n for n in a.sections if "error" in res[n]]
+    res["skipped"] = [n for n in a.sections if "skipped" in res[n]]
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    "Run the check; the JSON on stdout (and in --out), everything else (C libraries' output too) on stderr."
+    a = parse_args(argv)
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # whatever prints to stdout while sections run goes to stderr: stdout holds only the JSON
+    try:
+        res = run(a)
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    print(write(res, a.out), flush=True)
+    say(f"done in {res['total_seconds']} s; errors: {res['errors']}; skipped: {res['skipped']}")
     return res
 
 
