@@ -146,8 +146,11 @@ def test_filter_logits():
     assert inf not in filter_logits(row, 10, 1.0, 0.0).tolist()                              # top_k > V: off
 
 
-def mk(**kw) -> Sequence:
-    return Sequence("r", [1, 2], SamplingParams(**kw), None)
+def mk(output: list[int] = (), **kw) -> Sequence:
+    "A sequence with prompt [1, 2] and `output` so far, sampled with SamplingParams(**kw)."
+    s = Sequence("r", [1, 2], SamplingParams(**kw), None)
+    s.token_ids += list(output)
+    return s
 
 
 def test_sampler_greedy_top_k_1_min_tokens_and_seeds():
@@ -887,12 +890,12 @@ def mixed_rows(V: int = 300):
     "Eight rows of every kind the sampler knows, with their logits and seeded generators."
     torch.manual_seed(5)
     logits = torch.randn(8, V) * 3
-    seqs = [mk(temperature=0), mk(temperature=0, repetition_penalty=1.3), mk(temperature=0.8, seed=11),
-            mk(temperature=0.9, top_p=0.8), mk(temperature=1.2, top_k=5, min_p=0.05),
-            mk(temperature=0.7, frequency_penalty=0.5, presence_penalty=0.3, seed=3),
-            mk(min_tokens=5, temperature=0.6), mk(temperature=1.0, top_k=40, top_p=0.9, logprobs=2)]
-    for s in seqs:
-        s.output_token_ids.extend([3, 4, 4])
+    out = [3, 4, 4]  # three tokens so far: what the penalties read, and min_tokens=5 still bans
+    seqs = [mk(out, temperature=0), mk(out, temperature=0, repetition_penalty=1.3), mk(out, temperature=0.8, seed=11),
+            mk(out, temperature=0.9, top_p=0.8), mk(out, temperature=1.2, top_k=5, min_p=0.05),
+            mk(out, temperature=0.7, frequency_penalty=0.5, presence_penalty=0.3, seed=3),
+            mk(out, min_tokens=5, temperature=0.6), mk(out, temperature=1.0, top_k=40, top_p=0.9, logprobs=2)]
+    assert all(s.output_token_ids == out for s in seqs)
     return logits, seqs
 
 
@@ -927,3 +930,11 @@ def test_batched_sampler_waits_for_the_device_once(monkeypatch):
     calls.clear()
     Sampler(0)(logits, seqs, gens(seqs), eos_ids=[7])  # with a logprobs row: one more, for all of them
     assert calls == ["tolist", "tolist"]
+
+
+def test_batched_sampler_leaves_the_logits_alone_and_takes_an_empty_batch():
+    logits, seqs = mixed_rows()
+    before = logits.clone()
+    Sampler(0)(logits, seqs, gens(seqs), eos_ids=[7])
+    assert torch.equal(logits, before)  # penalties and filters work on copies: logprobs read the raw rows
+    assert Sampler(0)(torch.zeros(0, 0), [], [], eos_ids=[7]) == ([], [])
