@@ -34,8 +34,8 @@ from .qwen2 import assemble_bundled_gguf, load_model, resolve_model
 
 # %% auto #0
 __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
-           'results_dir', 'load_result', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'row_flops',
-           'work_ratio', 'offline_benchmark', 'print_table', 'decode_profile', 'memory_bandwidth',
+           'results_dir', 'load_result', 'results_path', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf',
+           'row_flops', 'work_ratio', 'offline_benchmark', 'print_table', 'decode_profile', 'memory_bandwidth',
            'decode_bytes_per_step', 'serve_benchmark', 'serving_metrics', 'print_serving', 'server_process',
            'bench_prompts', 'compare_servers', 'Mode', 'parse_mode', 'Clock', 'kernel_info', 'captured_logs',
            'prefix_share', 'offline_modes', 'llama_server_cmd', 'ours_server_cmd', 'engine_flags', 'ServerRun',
@@ -101,6 +101,13 @@ def results_dir() -> Path:
 def load_result(name: str) -> dict:
     "The committed result `name` (`results/<name>.json`)."
     return json.loads((results_dir() / f"{name}.json").read_text())
+
+def results_path(name: str) -> Path:
+    "Where a bench cell writes `name`: nbs/results/ when MINIVLLM_WRITE_RESULTS=1, else a temporary folder."
+    if os.environ.get("MINIVLLM_WRITE_RESULTS") == "1":  # a deliberate run, to commit: it replaces the result
+        return results_dir() / name
+    return Path(tempfile.mkdtemp(prefix="minivllm-bench-")) / name  # a reader running every cell keeps ours
+
 
 # %% ../nbs/06_benchmarks.ipynb #e85d1a62
 QUESTIONS = [

@@ -146,21 +146,34 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     "cos/sin tables for explicit position ids."
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, max_positions: int | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.max_positions = max_positions  # given: cos/sin of every position computed once, then looked up
+        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype) -> cos, sin
 
     def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         "Radians per position of each channel pair: [head_dim/2], from fast to slow."
         pair = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
         return 1.0 / (self.theta ** (pair / self.head_dim))
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, head_dim] (broadcast over heads)
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        "cos, sin of `positions` [T]: [T, 1, head_dim] each (broadcast over heads)."
         freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]: both halves of a pair
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, head_dim]; with max_positions, two lookups in tables built once
+        if self.max_positions is None:
+            return self.angles(positions, dtype)
+        key = (positions.device, dtype)
+        if key not in self.tables:  # [max_positions, 1, head_dim] each, the same numbers as angles() gives
+            every = torch.arange(self.max_positions, device=positions.device)
+            self.tables[key] = self.angles(every, dtype)
+        cos, sin = self.tables[key]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
 # %% ../nbs/01_qwen2.ipynb #d5800c54
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -354,7 +367,7 @@ class Qwen2Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Qwen2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
