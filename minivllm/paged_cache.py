@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .cpu_kernels import PORTABLE, build_library
-from .qwen2 import Qwen2Config, causal_attention
+from .qwen2 import Qwen2Config, causal_attention, sdpa_causal
 
 # %% auto #0
-__all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_FUNCTIONS', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
+__all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_FUNCTIONS', 'PAD_LIMIT', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
            'check_block_invariants', 'kv_bytes_per_token', 'kv_cache_budget', 'measure_cuda_memory',
            'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'attn_library',
            'c_decode_supported', 'paged_decode_attention_c', 'PrefillSpan', 'PagedBatch', 'to_device',
-           'DecodeAttention', 'CDecode', 'default_decoder']
+           'DecodeAttention', 'CDecode', 'default_decoder', 'batched_prefill']
 
 # %% ../nbs/02_paged_cache.ipynb #4c575ec4
 class OutOfBlocks(RuntimeError):
@@ -693,6 +693,31 @@ def build(
     return meta
 
 
+# %% ../nbs/02_paged_cache.ipynb #05af4635
+PAD_LIMIT = 2.0  # batch fresh prefills when the padded rows are at most this many times the real ones
+
+
+def batched_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[PrefillSpan]
+) -> torch.Tensor | None:
+    "Causal attention of fresh prefill spans in one padded SDPA call: [rows, Hq, D]; None where it won't pay."
+    lens = [p.num_new for p in spans]
+    longest, total = max(lens), sum(lens)
+    cached = any(p.context_slots is not None for p in spans)
+    if len(spans) < 2 or cached or len(spans) * longest > PAD_LIMIT * total:
+        return None
+    rows = torch.cat([torch.arange(p.start, p.start + p.num_new) for p in spans]).to(q.device)  # [total]
+    idx = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lens)]).to(q.device)  # [total]
+    padded = []
+    for x in (q, k, v):  # [T, H, D] -> [S, H, longest, D], zeros after each span's last row
+        out = x.new_zeros(len(spans) * longest, *x.shape[1:]).index_copy_(0, idx, x.index_select(0, rows))
+        padded.append(out.view(len(spans), longest, *x.shape[1:]).transpose(1, 2))
+    scaled = padded[0] * q.shape[-1] ** -0.5  # scaled before the product, as causal_attention does
+    o = sdpa_causal(scaled, padded[1], padded[2], copy_kv_heads=q.device.type != "cpu")  # [S, Hq, longest, D]
+    o = o.transpose(1, 2).reshape(len(spans) * longest, *q.shape[1:])  # [S * longest, Hq, D]
+    return o.index_select(0, idx)  # [total, Hq, D]
+
+
 # %% ../nbs/02_paged_cache.ipynb #ed91f4ad
 @patch
 def attend(
@@ -705,8 +730,10 @@ def attend(
     kslots, vslots = kp.view(-1, Hkv, D), vp.view(-1, Hkv, D)  # [num_blocks * bs, Hkv, D]: a row per slot
     kslots.index_copy_(0, self.slot_mapping, k)  # 1. write the new K/V into their slots
     vslots.index_copy_(0, self.slot_mapping, v)
-    out = []
-    for p in self.prefills:  # 2. prefill: causal over its own context
+    on_gpu = self.prefills and q.device.type != "cpu"
+    fused = batched_prefill(q, k, v, self.prefills) if on_gpu else None  # 2. prefill: fresh prompts at once
+    out = [] if fused is None else [fused]
+    for p in self.prefills if fused is None else []:  # or each span causal over its own context
         rows = slice(p.start, p.start + p.num_new)
         if p.context_slots is None:
             ks, vs = k[rows], v[rows]

@@ -998,3 +998,20 @@ def test_a_budget_too_small_for_max_model_len_names_the_numbers(monkeypatch, tin
     with pytest.raises(ValueError, match=r"max_model_len=400 needs 25 blocks .*0.05 x 67,108,864 total"):
         build(gpu_memory_utilization=0.05, max_model_len=400)
     assert build(max_model_len=400).max_model_len == 400
+
+
+@pytest.mark.parametrize("lens", [(5, 3, 6), (1, 1), (7, 7, 7, 2), (16, 9)])
+def test_fresh_prefills_in_one_padded_call_equal_the_loop(lens):
+    from minivllm.paged_cache import PrefillSpan, batched_prefill
+    from minivllm.qwen2 import causal_attention
+
+    torch.manual_seed(sum(lens))
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    spans = [PrefillSpan(s, n, n, None) for s, n in zip(starts, lens)]
+    T = sum(lens)
+    q, k, v = torch.randn(T, 4, 16), torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+    loop = torch.cat([causal_attention(q[s:s + n], k[s:s + n], v[s:s + n]) for s, n in zip(starts, lens)])
+    got = batched_prefill(q, k, v, spans)
+    assert got is not None and (got - loop).abs().max() <= 1e-5
+    cached = [PrefillSpan(0, lens[0], lens[0] + 3, torch.arange(lens[0] + 3))] + spans[1:]
+    assert batched_prefill(q, k, v, cached) is None  # a chunk after cached context goes on its own
