@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import queue
@@ -20,250 +19,35 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastcore.basics import patch
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import EngineArgs, EngineStats, LLMEngine, Logprob, RequestOutput, parse_bytes
-from .qwen2 import ChatTemplateError, Tokenizer
-from .scheduler import RequestTooLong, SamplingError, SamplingParams
+from .engine import EngineArgs, EngineStats, LLMEngine, RequestOutput, parse_bytes
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from .protocol import PromptEncoder, ResponseBuilder, SamplingRequest, TokenizeRequest, too_long
+from .protocol import chat_constraint, chat_ids, chat_top_logprobs, check_token_ids, completion_ids
+from .protocol import output_constraint, parse_json, sampling_params, server_error, shutting_down
+from .protocol import ChatMessage, chat_prompt  # noqa: F401 (imported from here before 05a)
+from .qwen2 import Tokenizer
+from .scheduler import SamplingParams
 from .structured import StructuredOutputError, StructuredOutputsParams
-from minivllm.tool_calls import (
-    ToolCallError,
-    ToolCallParser,
-    check_tools,
-    parse_tool_calls,
-    resolve_tool_choice,
-    tool_call_grammar,
-)
 
 log = logging.getLogger("minivllm.server")
 
 # %% auto #0
-__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'BYTE_DECODER', 'APIError', 'server_error', 'shutting_down',
-           'EngineMetrics', 'Admission', 'available_cores', 'engine_threads', 'AsyncEngine', 'Submission',
-           'StrictModel', 'StreamOptions', 'ContentPart', 'ChatMessage', 'JSONSchemaSpec', 'ResponseFormat',
-           'StructuredOutputsRequest', 'SamplingRequest', 'ChatCompletionRequest', 'CompletionRequest',
-           'TokenizeRequest', 'DetokenizeRequest', 'error_param', 'parse_json', 'output_constraint',
-           'template_tool_calls', 'chat_prompt', 'check_token_ids', 'max_token_chars', 'too_long', 'PromptEncoder',
-           'check_prompt_lengths', 'check_max_tokens', 'openai_sampling', 'sampling_params', 'token_bytes',
-           'chat_logprobs', 'completion_logprobs', 'sse', 'usage', 'ResponseBuilder', 'tool_finish', 'stream_error',
-           'SSEResponse', 'ClientGone', 'collect', 'RequestGuard', 'OpenAIServing', 'chat_constraint',
-           'chat_top_logprobs', 'add_error_handlers', 'add_routes', 'build_app', 'BackgroundServer', 'GracefulServer',
-           'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'in_passing_thread', 'build_engine',
-           'log_engine', 'main']
-
-# %% ../nbs/05_server.ipynb #d635a04e
-class APIError(Exception):
-    "An OpenAI-style error: HTTP status, message, type, the offending parameter, a code and extra headers."
-
-    def __init__(
-        self,
-        status: int,  # HTTP status
-        message: str,
-        type: str = "invalid_request_error",  # or "server_error", "authentication_error"
-        param: str | None = None,  # the request field at fault
-        code: str | None = None,  # a machine-readable reason, e.g. "context_length_exceeded"
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        "The JSON body: `{'error': {...}}`."
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        "The JSON response a client gets."
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-# %% ../nbs/05_server.ipynb #14751419
-def server_error(status: int, message: str, code: str, retry_after: int | None = None) -> APIError:
-    "An APIError of type server_error; with `retry_after`, a Retry-After header (seconds)."
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return APIError(status, message, type="server_error", code=code, headers=headers)
-
-
-def shutting_down() -> APIError:
-    "503: the server is draining."
-    return server_error(
-        503, "The server is shutting down; send the request again elsewhere.", "shutting_down"
-    )
-
-# %% ../nbs/05_server.ipynb #bbfd7b2e
-# fmt: off
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0]
-# fmt: on
-
-# %% ../nbs/05_server.ipynb #b97985de
-class EngineMetrics:
-    "vLLM's serving metrics as `minivllm:*`, in a registry of their own."
-
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
-        self.model_name = model_name
-        self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
-        self.num_preemptions = self._counter("num_preemptions", "Sequences preempted (to be recomputed).")
-        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
-        self.prefix_cache_queries = self._counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the cache."
-        )
-        self.prefix_cache_hits = self._counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        )
-        self._counters = (
-            self.num_preemptions,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-        )
-        self._seen = (0,) * len(self._counters)  # the engine's totals already counted
-        self._add_latencies()
-        self._add_server_gauges()
-
-# %% ../nbs/05_server.ipynb #68fc62a0
-@patch
-def _gauge(self: EngineMetrics, name: str, doc: str):
-    return Gauge(f"minivllm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
-
-
-@patch
-def _counter(self: EngineMetrics, name: str, doc: str):
-    return Counter(f"minivllm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
-
-
-@patch
-def _histogram(self: EngineMetrics, name: str, doc: str, buckets: list[float]):
-    hist = Histogram(f"minivllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
-    return hist.labels(self.model_name)
-
-# %% ../nbs/05_server.ipynb #3c5b1b1c
-@patch
-def _add_latencies(self: EngineMetrics) -> None:
-    ttft, itl = "time_to_first_token_seconds", "inter_token_latency_seconds"
-    self.time_to_first_token = self._histogram(ttft, "Request queued -> first token.", TTFT_BUCKETS)
-    self.inter_token_latency = self._histogram(itl, "Time between two tokens of a request.", ITL_BUCKETS)
-    e2e = "e2e_request_latency_seconds"
-    self.e2e_request_latency = self._histogram(e2e, "Request queued -> finished.", E2E_BUCKETS)
-    labels = ["model_name", "finished_reason"]
-    doc = "Requests finished, by reason."
-    self.request_success = Counter("minivllm:request_success", doc, labels, registry=self.registry)
-
-
-@patch
-def _add_server_gauges(self: EngineMetrics) -> None:
-    self.num_queued_sequences = self._gauge("num_queued_sequences", "Sequences admitted and not finished.")
-    self.num_queued_prompt_tokens = self._gauge(
-        "num_queued_prompt_tokens", "Prompt tokens not yet prefilled."
-    )
-    self.num_requests_in_flight = self._gauge("num_requests_in_flight", "HTTP requests the engine works on.")
-    self.requests_shed = self._counter(
-        "requests_shed", "Requests refused with a 503 because the queue was full."
-    )
-    self._shed_seen = 0
-
-
-@patch
-def update_queue(self: EngineMetrics, admission: Admission, in_flight: int) -> None:
-    "The server's own gauges, and the shed counter by what changed, from the queue's bookkeeping."
-    self.num_queued_sequences.set(admission.seqs)
-    self.num_queued_prompt_tokens.set(admission.prompt_tokens)
-    self.num_requests_in_flight.set(in_flight)
-    self.requests_shed.inc(admission.rejected - self._shed_seen)
-    self._shed_seen = admission.rejected
-
-# %% ../nbs/05_server.ipynb #1ef6059c
-@patch
-def update(self: EngineMetrics, s: EngineStats) -> None:
-    "Gauges from the engine's stats; counters by what changed since the last call."
-    self.num_requests_running.set(s.num_running)
-    self.num_requests_waiting.set(s.num_waiting)
-    self.kv_cache_usage_perc.set(s.kv_cache_usage)
-    now = (
-        s.num_preemptions,
-        s.prompt_tokens,
-        s.generation_tokens,
-        s.prefix_cache_queries,
-        s.prefix_cache_hits,
-    )
-    for c, new, old in zip(self._counters, now, self._seen):
-        if new > old:
-            c.inc(new - old)
-    self._seen = now
-
-
-@patch
-def text(self: EngineMetrics) -> str:
-    "The Prometheus exposition text."
-    return generate_latest(self.registry).decode()
-
-# %% ../nbs/05_server.ipynb #0817e73b
-class Admission:
-    "Bounds on the work queued in the engine: sequences waiting or running, prompt tokens not yet prefilled."
-
-    def __init__(self, max_seqs: int, max_prompt_tokens: int):
-        self.max_seqs = max_seqs
-        self.max_prompt_tokens = max_prompt_tokens
-        self.seqs = 0  # sequences admitted and not finished
-        self.prompt_tokens = 0  # prompt tokens admitted and not prefilled
-        self.rejected = 0
-
-    def admit(self, prompt_lens: list[int], n: int) -> None:
-        "Count a request in, or raise: 400 if it could never fit, 503 with Retry-After if the queue is full."
-        seqs, tokens = len(prompt_lens) * n, sum(prompt_lens)
-        if seqs > self.max_seqs:
-            msg = f"This request makes {seqs} sequences (prompts x n); the queue holds {self.max_seqs}."
-            raise APIError(400, msg, param="n", code="too_many_sequences")
-        if tokens > self.max_prompt_tokens:
-            msg = f"This request has {tokens} prompt tokens; the queue holds {self.max_prompt_tokens}."
-            raise APIError(400, msg, param="prompt", code="too_many_tokens")
-        if self.seqs + seqs > self.max_seqs or self.prompt_tokens + tokens > self.max_prompt_tokens:
-            raise self.overloaded()
-        self.seqs += seqs
-        self.prompt_tokens += tokens
-
-    def check_room(self) -> None:
-        "The 503 at once when not even the smallest request would fit: before any work is spent on one."
-        if self.seqs >= self.max_seqs or self.prompt_tokens >= self.max_prompt_tokens:
-            raise self.overloaded()
-
-    def overloaded(self) -> APIError:
-        self.rejected += 1
-        full = f"{self.seqs} sequences and {self.prompt_tokens} prompt tokens queued"
-        return server_error(503, f"The server is overloaded ({full}); try again shortly.", "overloaded", 1)
-
-    def release(self, seqs: int = 0, prompt_tokens: int = 0) -> None:
-        "Give back what a request held: its sequences when it ends, its prompt tokens once prefilled."
-        self.seqs -= seqs
-        self.prompt_tokens -= prompt_tokens
+__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'available_cores', 'engine_threads', 'AsyncEngine', 'Submission',
+           'Admission', 'EngineMetrics', 'OpenAIServing', 'SSEResponse', 'serving_app', 'BackgroundServer',
+           'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'build_app', 'GracefulServer',
+           'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine', 'log_engine', 'main',
+           'in_passing_thread']
 
 # %% ../nbs/05_server.ipynb #fc08f744
 def available_cores() -> int:
@@ -349,6 +133,21 @@ def is_alive(self: AsyncEngine) -> bool:
 def accepting(self: AsyncEngine) -> bool:
     "New requests may be queued."
     return self.is_alive and self.death is None
+
+
+@patch
+def _end_all(self: AsyncEngine, error: APIError) -> None:
+    "Fail every request this thread serves or has in its inbox with `error`."
+    for st in set(self._streams.values()):
+        self._send(st, error)
+    self._streams.clear()
+    while True:
+        try:
+            cmd = self.inbox.get_nowait()
+        except queue.Empty:
+            break
+        if cmd[0] == "add":
+            self._send(cmd[3], error)
 
 # %% ../nbs/05_server.ipynb #e0b28c0c
 @patch
@@ -443,37 +242,6 @@ def _observe(self: AsyncEngine, st: _Stream, out: RequestOutput) -> None:
         for c in out.outputs:
             mt.request_success.labels(mt.model_name, c.finish_reason).inc()
 
-# %% ../nbs/05_server.ipynb #29760ab2
-@patch
-def _end_all(self: AsyncEngine, error: APIError) -> None:
-    "Fail every request this thread serves or has in its inbox with `error`."
-    for st in set(self._streams.values()):
-        self._send(st, error)
-    self._streams.clear()
-    while True:
-        try:
-            cmd = self.inbox.get_nowait()
-        except queue.Empty:
-            break
-        if cmd[0] == "add":
-            self._send(cmd[3], error)
-
-
-@patch
-def _die(self: AsyncEngine, cause: BaseException) -> None:
-    log.critical("the engine thread died", exc_info=cause)
-    self.death = cause
-    for callback in self.on_death:
-        callback(cause)
-    self._end_all(self.dead_error(500))
-
-
-@patch
-def dead_error(self: AsyncEngine, status: int = 500) -> APIError:
-    "The error of a request the engine cannot serve: 500 for one it was serving, 503 for a new one."
-    why = f"{type(self.death).__name__}: {self.death}" if self.death else "it was stopped"
-    return server_error(status, f"The engine is not running ({why}).", "engine_dead")
-
 # %% ../nbs/05_server.ipynb #768adf2c
 @patch
 async def next_output(self: AsyncEngine, q: asyncio.Queue) -> Any:
@@ -493,9 +261,7 @@ class Submission:
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self.n = n
-        self.live: dict[str, int] = {
-            rid: i for i, rid in enumerate(request_ids)
-        }  # unfinished -> prompt index
+        self.live: dict[str, int] = {rid: i for i, rid in enumerate(request_ids)}  # -> prompt index
         self.unprefilled: dict[str, int] = dict(zip(request_ids, prompt_lens))  # -> prompt tokens
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -503,9 +269,8 @@ class Submission:
             out = await self.engine.next_output(self.queue)
             if isinstance(out, BaseException):
                 raise out
-            self.engine.admission.release(
-                self.n if out.finished else 0, self.unprefilled.pop(out.request_id, 0)
-            )
+            seqs = self.n if out.finished else 0
+            self.engine.admission.release(seqs, self.unprefilled.pop(out.request_id, 0))
             i = self.live[out.request_id]
             if out.finished:
                 del self.live[out.request_id]
@@ -549,596 +314,178 @@ async def submit(self: AsyncEngine, prompts: list[list[int]], params: SamplingPa
     self.submissions.add(sub)
     return sub
 
+# %% ../nbs/05_server.ipynb #0817e73b
+class Admission:
+    "Bounds on the work queued in the engine: sequences waiting or running, prompt tokens not yet prefilled."
+
+    def __init__(self, max_seqs: int, max_prompt_tokens: int):
+        self.max_seqs = max_seqs
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seqs = 0  # sequences admitted and not finished
+        self.prompt_tokens = 0  # prompt tokens admitted and not prefilled
+        self.rejected = 0
+
+    def admit(self, prompt_lens: list[int], n: int) -> None:
+        "Count a request in, or raise: 400 if it could never fit, 503 with Retry-After if the queue is full."
+        seqs, tokens = len(prompt_lens) * n, sum(prompt_lens)
+        if seqs > self.max_seqs:
+            msg = f"This request makes {seqs} sequences (prompts x n); the queue holds {self.max_seqs}."
+            raise APIError(400, msg, param="n", code="too_many_sequences")
+        if tokens > self.max_prompt_tokens:
+            msg = f"This request has {tokens} prompt tokens; the queue holds {self.max_prompt_tokens}."
+            raise APIError(400, msg, param="prompt", code="too_many_tokens")
+        if self.seqs + seqs > self.max_seqs or self.prompt_tokens + tokens > self.max_prompt_tokens:
+            raise self.overloaded()
+        self.seqs += seqs
+        self.prompt_tokens += tokens
+
+    def check_room(self) -> None:
+        "The 503 at once when not even the smallest request would fit: before any work is spent on one."
+        if self.seqs >= self.max_seqs or self.prompt_tokens >= self.max_prompt_tokens:
+            raise self.overloaded()
+
+    def overloaded(self) -> APIError:
+        self.rejected += 1
+        full = f"{self.seqs} sequences and {self.prompt_tokens} prompt tokens queued"
+        return server_error(503, f"The server is overloaded ({full}); try again shortly.", "overloaded", 1)
+
+    def release(self, seqs: int = 0, prompt_tokens: int = 0) -> None:
+        "Give back what a request held: its sequences when it ends, its prompt tokens once prefilled."
+        self.seqs -= seqs
+        self.prompt_tokens -= prompt_tokens
+
+# %% ../nbs/05_server.ipynb #b97985de
+# fmt: off
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+# fmt: on
+
+
+class EngineMetrics:
+    "vLLM's serving metrics as `minivllm:*`, in a registry of their own."
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
+        self.num_preemptions = self._counter("num_preemptions", "Sequences preempted (to be recomputed).")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        queries, hits = "prefix_cache_queries", "prefix_cache_hits"
+        self.prefix_cache_queries = self._counter(queries, "Prompt tokens looked up in the cache.")
+        self.prefix_cache_hits = self._counter(hits, "Prompt tokens found in the prefix cache.")
+        self._counters = (
+            self.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+        )
+        self._seen = (0,) * len(self._counters)  # the engine's totals already counted
+        self._add_latencies()
+        self._add_server_gauges()
+
+# %% ../nbs/05_server.ipynb #68fc62a0
+@patch
+def _gauge(self: EngineMetrics, name: str, doc: str):
+    return Gauge(f"minivllm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
 
 @patch
-def fail_submissions(self: AsyncEngine, error: APIError) -> None:
-    "End every request in flight with `error` (from the event loop's thread)."
-    for sub in list(self.submissions):
-        sub.fail(error)
-
-# %% ../nbs/05_server.ipynb #9e96cda6
-class StrictModel(BaseModel):
-    "A request body: no type coercion, unknown fields ignored."
-
-    model_config = ConfigDict(strict=True, extra="ignore")
+def _counter(self: EngineMetrics, name: str, doc: str):
+    return Counter(f"minivllm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
 
-class StreamOptions(StrictModel):
-    include_usage: bool = False
+@patch
+def _histogram(self: EngineMetrics, name: str, doc: str, buckets: list[float]):
+    hist = Histogram(f"minivllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+    return hist.labels(self.model_name)
 
 
-class ContentPart(StrictModel):
-    "A part of a message's content: only text is understood."
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(StrictModel):
-    "One message; extra keys (name, tool_calls, tool_call_id) go to the chat template as they are."
-
-    model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-# %% ../nbs/05_server.ipynb #1171e56a
-class JSONSchemaSpec(StrictModel):
-    "response_format's json_schema: a name, the schema, and `strict` (every output follows it anyway)."
-
-    name: str | None = None
-    description: str | None = None
-    schema_: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(StrictModel):
-    "OpenAI's response_format: free text, any JSON object, or JSON following a schema."
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaSpec | None = None
-
-
-class StructuredOutputsRequest(StrictModel):
-    "vLLM's `structured_outputs`: one of a JSON schema, a regex, choices, EBNF, any JSON object."
-
-    json_: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
-
-# %% ../nbs/05_server.ipynb #c07bf3e6
-class SamplingRequest(StrictModel):
-    "The fields both completion endpoints share."
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # vLLM's extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    # the output's shape: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-# %% ../nbs/05_server.ipynb #c509214c
-class ChatCompletionRequest(SamplingRequest):
-    "POST /v1/chat/completions"
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
-
-
-class CompletionRequest(SamplingRequest):
-    "POST /v1/completions"
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class TokenizeRequest(StrictModel):
-    "POST /tokenize: a prompt, or messages to render with the chat template."
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    tools: list[dict] | None = None
-
-
-class DetokenizeRequest(StrictModel):
-    "POST /detokenize"
-
-    model: str | None = None
-    tokens: list[int]
-
-# %% ../nbs/05_server.ipynb #4cd7385f
-def error_param(loc: tuple) -> str | None:
-    "pydantic's error location as a parameter name: ('messages', 0, 'role') -> 'messages[0].role'."
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "dict", "list"):
-            out += ("." if out else "") + part
-        else:
-            break  # a union member's name, like 'list[int]': the field is what came before
-    return out or None
-
-
-def parse_json(body: bytes, model: type[BaseModel]) -> BaseModel:
-    "The request body validated as `model`, or an APIError (400) naming the first bad field."
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        if errors[0]["type"] == "json_invalid":
-            raise APIError(400, f"Malformed JSON body: {errors[0]['ctx']['error']}") from None
-        param = error_param(errors[0]["loc"])
-        msgs = dict.fromkeys(x["msg"] for x in errors if error_param(x["loc"]) == param)
-        raise APIError(400, f"{param or 'body'}: {' or '.join(msgs)}", param=param) from None
-
-# %% ../nbs/05_server.ipynb #d6cdb829
-def _response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
-    "The constraint of OpenAI's response_format (None for text)."
-    if rf.type == "text":
-        return None
-    if rf.type == "json_schema" and rf.json_schema is not None and rf.json_schema.schema_ is not None:
-        return StructuredOutputsParams(json=rf.json_schema.schema_)
-    return StructuredOutputsParams(json_object=True)
-
-
-def _sources(req: SamplingRequest) -> list[tuple[str, StructuredOutputsParams | None]]:
-    "(field, constraint) for every constraint field the request sets."
-    found = []
-    if req.response_format is not None:
-        found.append(("response_format", _response_format(req.response_format)))
-    if req.structured_outputs is not None:
-        so = req.structured_outputs.model_dump()
-        found.append(("structured_outputs", StructuredOutputsParams(json=so.pop("json_"), **so)))
-    for kind in ("json", "regex", "choice", "grammar"):
-        value = getattr(req, f"guided_{kind}")
-        if value is not None:
-            found.append((f"guided_{kind}", StructuredOutputsParams(**{kind: value})))
-    return found
-
-
-def output_constraint(req: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
-    "(constraint, the field it came from) of a request, (None, None) if free; a 400 if it is malformed."
-    found = _sources(req)
-    if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
-        raise APIError(
-            400, f"Send one of response_format, structured_outputs, guided_*; got {names}.", param=found[1][0]
-        )
-    if not found or found[0][1] is None:
-        return None, None
-    param, constraint = found[0]
-    try:
-        constraint.validate()
-    except StructuredOutputError as e:
-        raise APIError(400, f"{param}: {e}", param=param) from None
-    return constraint, param
-
-# %% ../nbs/05_server.ipynb #92b63dbf
-def template_tool_calls(calls: Any, where: str) -> list[dict]:
-    "An assistant message's tool_calls, each arguments string read back into an object (400 if not JSON)."
-    if not isinstance(calls, list):
-        raise APIError(400, f"{where}: must be a list", param=where)
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            msg = f"{where}[{j}]: must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}"
-            raise APIError(400, msg, param=f"{where}[{j}]")
-        args = fn.get("arguments", "{}")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"{where}[{j}].function.arguments is not JSON: {e}", param=where) from None
-        out.append({**call, "function": {**fn, "arguments": args}})
-    return out
-
-# %% ../nbs/05_server.ipynb #5724fa50
-def chat_prompt(
-    tokenizer: Tokenizer,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
-) -> str:
-    "The prompt text for a conversation, from the model's chat template (400 if the template rejects it)."
-    msgs = []
-    for i, m in enumerate(messages):
-        d = m.model_dump()
-        if isinstance(m.content, list):
-            d["content"] = "\n".join(p.text for p in m.content)
-        if d.get("tool_calls") is not None:
-            d["tool_calls"] = template_tool_calls(d["tool_calls"], f"messages[{i}].tool_calls")
-        if m.content is None and not d.get("tool_calls"):
-            d["content"] = ""
-        msgs.append(d)
-    try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from None
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    "400 unless every id is in the vocabulary."
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        msg = f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        raise APIError(400, msg, param=param)
-
-# %% ../nbs/05_server.ipynb #a45ae3ee
-def max_token_chars(tokenizer: Tokenizer) -> int:
-    "The most characters one token can stand for (the longest vocabulary entry)."
-    return max(len(s) for s in tokenizer.tok.get_vocab(with_added_tokens=True))
-
-
-def too_long(max_model_len: int, what: str, param: str) -> APIError:
-    "The 400 of a prompt that does not fit in the context (vLLM's message)."
-    msg = f"This model's maximum context length is {max_model_len} tokens. However, {what}: please reduce"
-    msg += " its length."
-    return APIError(400, msg, param=param, code="context_length_exceeded")
-
-
-class PromptEncoder:
-    "Text -> token ids, refusing at once a text too long to fit the context."
-
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.max_chars = max_model_len * max_token_chars(tokenizer)
-
-    def __call__(self, text: str, param: str = "prompt") -> list[int]:
-        if len(text) > self.max_chars:
-            n = len(text) // (self.max_chars // self.max_model_len)
-            raise too_long(self.max_model_len, f"your prompt has at least {n} tokens", param)
-        return self.tokenizer.encode(text)
-
-# %% ../nbs/05_server.ipynb #8f7cb6bf
-def check_prompt_lengths(engine: AsyncEngine, prompt_lens: list[int], param: str) -> None:
-    "400 for a prompt that leaves no room in the context, or that the scheduler could never run."
-    for n in prompt_lens:
-        if n >= engine.max_model_len:
-            raise too_long(engine.max_model_len, f"your prompt has {n} tokens", param)
-        try:
-            engine.engine.check_prompt(n)
-        except RequestTooLong as e:
-            raise APIError(400, str(e), param=param) from None
-
-
-def check_max_tokens(max_model_len: int, longest: int, max_tokens: int) -> None:
-    "400 if the longest prompt plus max_tokens does not fit the context."
-    if longest + max_tokens > max_model_len:
-        what = (
-            f"you requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
-            "completion)"
-        )
-        raise too_long(max_model_len, what, "max_tokens")
-
-# %% ../nbs/05_server.ipynb #c11c95af
-def openai_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    "OpenAI's sampling fields, and vLLM's extra ones, as SamplingParams (not validated yet)."
-    return SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        seed=req.seed,
-        skip_special_tokens=req.skip_special_tokens,
+@patch
+def update(self: EngineMetrics, s: EngineStats) -> None:
+    "Gauges from the engine's stats; counters by what changed since the last call."
+    self.num_requests_running.set(s.num_running)
+    self.num_requests_waiting.set(s.num_waiting)
+    self.kv_cache_usage_perc.set(s.kv_cache_usage)
+    now = (
+        s.num_preemptions,
+        s.prompt_tokens,
+        s.generation_tokens,
+        s.prefix_cache_queries,
+        s.prefix_cache_hits,
     )
+    for c, new, old in zip(self._counters, now, self._seen):
+        if new > old:
+            c.inc(new - old)
+    self._seen = now
 
-# %% ../nbs/05_server.ipynb #582c0416
-def sampling_params(
-    req: SamplingRequest,
-    prompt_lens: list[int],
-    engine: AsyncEngine,
-    max_tokens: int | None,  # the request's own limit, if any
-    logprobs: int | None,  # top-k log-probabilities asked for, if any
-    prompt_param: str,  # the field holding the prompt ("messages" or "prompt")
-    default_max_tokens: int | None = None,
-    constraint: StructuredOutputsParams | None = None,  # the output's grammar, if any
-) -> SamplingParams:
-    "SamplingParams for an OpenAI request, checked against the engine's limits (a 400 on the first problem)."
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    check_token_ids(req.stop_token_ids or [], engine.vocab_size, "stop_token_ids")
-    check_prompt_lengths(engine, prompt_lens, prompt_param)
-    room = engine.max_model_len - max(prompt_lens)
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    p = openai_sampling(req, max_tokens, logprobs)
-    p.structured_outputs = constraint
-    try:
-        p.validate()
-    except (SamplingError, StructuredOutputError) as e:
-        raise APIError(400, str(e), param=e.param) from None
-    check_max_tokens(engine.max_model_len, max(prompt_lens), max_tokens)
-    return p
-
-# %% ../nbs/05_server.ipynb #fa819274
-def _byte_decoder() -> dict[str, int]:
-    "GPT-2's byte-level alphabet, character -> byte."
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0  # printable bytes stand for themselves, the others for chr(256 + n)
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-BYTE_DECODER = _byte_decoder()
-
-
-def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
-    "The raw bytes of one token."
-    s = tokenizer.tok.id_to_token(token_id) or ""
-    if s and all(ch in BYTE_DECODER for ch in s):
-        return bytes(BYTE_DECODER[ch] for ch in s)
-    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
-
-# %% ../nbs/05_server.ipynb #969128ad
-def _lp_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
-    b = token_bytes(tokenizer, token_id)
-    return {"token": b.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0), "bytes": list(b)}
-
-
-def _top(lp: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    return sorted(((t, l) for t, l in lp.items() if l.rank <= k), key=lambda x: x[1].rank)
-
-
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
-    "Chat's `logprobs`: one entry per token with its top-k alternatives."
-    content = []
-    for t, lp in zip(token_ids, lps):
-        top = [_lp_entry(tokenizer, j, l.logprob) for j, l in _top(lp, k)]
-        content.append({**_lp_entry(tokenizer, t, lp[t].logprob), "top_logprobs": top})
-    return {"content": content}
-
-
-def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int = 0
-) -> dict:
-    "The completions API's `logprobs`: tokens, their logprobs, top-k dicts and character offsets."
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, lp in zip(token_ids, lps):
-        e = _lp_entry(tokenizer, t, lp[t].logprob)
-        out["tokens"].append(e["token"])
-        out["token_logprobs"].append(e["logprob"])
-        out["text_offset"].append(offset)
-        top = {_lp_entry(tokenizer, j, 0)["token"]: max(l.logprob, -9999.0) for j, l in _top(lp, k)}
-        out["top_logprobs"].append(top)
-        offset += len(e["token"])
-    return out
-
-# %% ../nbs/05_server.ipynb #515f47fc
-def sse(obj: dict | str) -> str:
-    "One server-sent event."
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int = 0) -> dict:
-    "OpenAI's `usage`, with the prompt tokens found in the prefix cache."
-    p = sum(prompt_lens)
-    return {
-        "prompt_tokens": p,
-        "completion_tokens": completion_tokens,
-        "total_tokens": p + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-# %% ../nbs/05_server.ipynb #b5c5b559
-@dataclass
-class ResponseBuilder:
-    "Builds a chat or completions response, whole or streamed, from the engine's outputs."
-
-    kind: Literal["chat", "completion"]
-    id: str
-    model: str
-    prompt_lens: list[int]
-    n: int
-    tokenizer: Tokenizer
-    logprobs: int | None = None  # top-k asked for, None if none
-    include_usage: bool = False
-    tool_calls: bool = False  # chat: read tool calls out of the answer (05b_tool_calls)
-    created: int = field(default_factory=lambda: int(time.time()))
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # choice index -> its stream's parser
-
-    @property
-    def object(self) -> str:
-        "OpenAI's `object` of a whole response."
-        return "chat.completion" if self.kind == "chat" else "text_completion"
-
-    def index(self, prompt: int, c) -> int:
-        "The choice index of completion `c` of prompt `prompt`."
-        return prompt * self.n + c.index
-
-    def logprobs_of(self, token_ids, lps, offset: int = 0) -> dict | None:
-        "The `logprobs` of some tokens in this kind's shape (None if none were asked for)."
-        if self.logprobs is None or lps is None:
-            return None
-        if self.kind == "chat":
-            return chat_logprobs(self.tokenizer, token_ids, lps, self.logprobs)
-        return completion_logprobs(self.tokenizer, token_ids, lps, self.logprobs, offset)
-
-# %% ../nbs/05_server.ipynb #7211cc64
-def tool_finish(finish_reason: str | None, called: bool) -> str | None:
-    "OpenAI's finish_reason: 'tool_calls' for an answer that ended by itself after calling a tool."
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+# %% ../nbs/05_server.ipynb #3c5b1b1c
+@patch
+def _add_latencies(self: EngineMetrics) -> None:
+    ttft, itl = "time_to_first_token_seconds", "inter_token_latency_seconds"
+    self.time_to_first_token = self._histogram(ttft, "Request queued -> first token.", TTFT_BUCKETS)
+    self.inter_token_latency = self._histogram(itl, "Time between two tokens of a request.", ITL_BUCKETS)
+    e2e = "e2e_request_latency_seconds"
+    self.e2e_request_latency = self._histogram(e2e, "Request queued -> finished.", E2E_BUCKETS)
+    labels = ["model_name", "finished_reason"]
+    doc = "Requests finished, by reason."
+    self.request_success = Counter("minivllm:request_success", doc, labels, registry=self.registry)
 
 
 @patch
-def message(self: ResponseBuilder, c) -> tuple[dict, str | None]:
-    "The whole chat message of completion `c`, with its tool calls, and its finish_reason."
-    if not self.tool_calls:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    content, calls = parse_tool_calls(c.text)
-    msg = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [call.to_dict() for call in calls]
-    return msg, tool_finish(c.finish_reason, bool(calls))
+def _add_server_gauges(self: EngineMetrics) -> None:
+    self.num_queued_sequences = self._gauge("num_queued_sequences", "Sequences admitted and not finished.")
+    self.num_queued_prompt_tokens = self._gauge(
+        "num_queued_prompt_tokens", "Prompt tokens not yet prefilled."
+    )
+    self.num_requests_in_flight = self._gauge("num_requests_in_flight", "HTTP requests the engine works on.")
+    self.requests_shed = self._counter(
+        "requests_shed", "Requests refused with a 503 because the queue was full."
+    )
+    self._shed_seen = 0
 
+# %% ../nbs/05_server.ipynb #9c723714
+class OpenAIServing:
+    "OpenAI's endpoints over an AsyncEngine (routes are added by `build_app`)."
 
-@patch
-def choice(self: ResponseBuilder, prompt: int, c) -> dict:
-    "One finished choice of a whole response."
-    ch = {
-        "index": self.index(prompt, c),
-        "logprobs": self.logprobs_of(c.token_ids, c.logprobs),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
-    if self.kind == "chat":
-        ch["message"], ch["finish_reason"] = self.message(c)
-    else:
-        ch["text"] = c.text
-    return ch
+    def __init__(self, engine: AsyncEngine, names: list[str], prep_threads: int = 2):
+        self.engine = engine
+        self.names = names
+        self.tokenizer = engine.tokenizer
+        self.encode = PromptEncoder(engine.tokenizer, engine.max_model_len)
+        self.pool = ThreadPoolExecutor(prep_threads, thread_name_prefix="minivllm-prep")
+        self.inline_bytes = 64 << 10  # bodies up to this size are prepared on the event loop
+        self.draining = False
 
+    def model_name(self, model: str | None) -> str:
+        "The served name a request asks for (404 for a name not served); the first one if none."
+        if model is None:
+            return self.names[0]
+        if model not in self.names:
+            msg = f"The model `{model}` does not exist; this server serves {self.names}."
+            raise APIError(404, msg, param="model", code="model_not_found")
+        return model
 
-@patch
-def response(self: ResponseBuilder, finals: list[RequestOutput]) -> dict:
-    "The whole (non-streamed) response."
-    choices = [self.choice(i, c) for i, out in enumerate(finals) for c in out.outputs]
-    completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in finals)
-    return {
-        "id": self.id,
-        "object": self.object,
-        "created": self.created,
-        "model": self.model,
-        "choices": sorted(choices, key=lambda c: c["index"]),
-        "usage": usage(self.prompt_lens, completion_tokens, cached),
-    }
+    def check_serving(self) -> None:
+        "503 when no new request may start: the server is draining, the engine is gone, or the queue is full."
+        if self.draining:
+            raise shutting_down()
+        if not self.engine.accepting:
+            raise self.engine.dead_error(503)
+        self.engine.admission.check_room()
 
-# %% ../nbs/05_server.ipynb #6e8d775e
-@patch
-def chunk(self: ResponseBuilder, choices: list[dict], usage: dict | None = None) -> str:
-    "One streamed chunk as a server-sent event."
-    obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-    d = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-    if self.include_usage:
-        d["usage"] = usage
-    return sse(d)
-
-
-@patch
-def new_parts(self: ResponseBuilder, prompt: int, c) -> tuple[str, list[dict], str | None]:
-    "What completion `c` adds to its stream: text, tool-call deltas (each a whole call), finish_reason."
-    if not self.tool_calls:
-        return c.delta_text, [], c.finish_reason
-    parser = self.parsers.setdefault(self.index(prompt, c), ToolCallParser())
-    events = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
-    calls = [e for e in events if not isinstance(e, str)]
-    first = len(parser.calls) - len(calls)  # the index of the first new call among the choice's calls
-    deltas = [{"index": first + k, **call.to_dict()} for k, call in enumerate(calls)]
-    text = "".join(e for e in events if isinstance(e, str))
-    return text, deltas, tool_finish(c.finish_reason, bool(parser.calls))
-
-
-@patch
-def delta(self: ResponseBuilder, prompt: int, c, sent: int) -> dict | None:
-    "The streamed choice of completion `c` of prompt `prompt` (`sent` characters sent); None if nothing new."
-    text, calls, finish_reason = self.new_parts(prompt, c)
-    if not (text or calls or c.finished or (self.logprobs is not None and c.delta_token_ids)):
-        return None
-    ch = {
-        "index": self.index(prompt, c),
-        "finish_reason": finish_reason,
-        "logprobs": self.logprobs_of(c.delta_token_ids, c.delta_logprobs, sent),
-    }
-    if self.kind == "chat":
-        ch["delta"] = {"content": text} if text else {}
-        if calls:
-            ch["delta"]["tool_calls"] = calls
-    else:
-        ch["text"] = text
-    if c.finished:
-        ch["stop_reason"] = c.stop_reason
-    return ch
-
-# %% ../nbs/05_server.ipynb #8a4ace9d
-@patch
-async def stream(self: ResponseBuilder, sub: Submission) -> AsyncIterator[str]:
-    "The response as server-sent events; leaving early (client gone) aborts what is unfinished."
-    tokens: dict[tuple[int, int], int] = {}  # (prompt, choice) -> tokens so far
-    chars: dict[tuple[int, int], int] = {}  # (prompt, choice) -> characters sent so far
-    cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
-    try:
-        if self.kind == "chat":
-            first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield self.chunk([{"index": i, **first} for i in range(len(self.prompt_lens) * self.n)])
-        async for i, out in sub:
-            cached[i] = out.num_cached_tokens
-            choices = []
-            for c in out.outputs:
-                tokens[i, c.index] = len(c.token_ids)
-                sent = chars.get((i, c.index), 0)
-                ch = self.delta(i, c, sent)
-                if ch is not None:
-                    chars[i, c.index] = sent + len(c.delta_text)
-                    choices.append(ch)
-            if choices:
-                yield self.chunk(choices)
-        if self.include_usage:
-            yield self.chunk([], usage(self.prompt_lens, sum(tokens.values()), sum(cached.values())))
-    except Exception as e:  # noqa: BLE001 (whatever failed, the client gets an error event and [DONE])
-        yield sse(stream_error(e).body())
-    finally:
-        sub.abort()
-    yield sse("[DONE]")
-
-
-def stream_error(e: Exception) -> APIError:
-    "What a stream that failed says in its `error` event."
-    if isinstance(e, APIError):
-        return e
-    log.exception("a stream failed")
-    return server_error(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+    async def prepare(self, body: bytes, fn: Callable, *args) -> Any:
+        "fn(*args) for a request with this body: on the event loop if it is small, else in a helper thread."
+        if len(body) <= self.inline_bytes:
+            return fn(*args)  # faster than the hop to a thread and back
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
 # %% ../nbs/05_server.ipynb #3b602fab
 class SSEResponse(StreamingResponse):
@@ -1157,6 +504,123 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
             if self.on_close is not None:
                 self.on_close()  # also when the stream never started: a client gone before the first byte
+
+
+@patch
+async def generate(
+    self: OpenAIServing,
+    req: SamplingRequest,
+    request: Request,
+    builder: ResponseBuilder,
+    prompts: list[list[int]],
+    params: SamplingParams,
+) -> Response:
+    "Submit the prompts; the streamed or whole response."
+    self.check_serving()
+    try:
+        sub = await self.engine.submit(prompts, params)
+    except ValueError as e:  # SamplingError, RequestTooLong
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+    if req.stream:
+        return SSEResponse(builder.stream(sub), on_close=sub.abort)
+    try:
+        return JSONResponse(builder.response(await collect(sub, request)))
+    except ClientGone:
+        return Response(status_code=499)
+
+# %% ../nbs/05_server.ipynb #604de9b1
+@patch
+async def compile_constraint(
+    self: OpenAIServing, constraint: StructuredOutputsParams | None, param: str
+) -> None:
+    "Compile a grammar in a helper thread before it is queued (the engine finds it cached); 400 if it fails."
+    if constraint is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.engine.structured.compile, constraint
+        )
+    except StructuredOutputError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+@patch
+async def chat_completions(self: OpenAIServing, request: Request) -> Response:
+    "POST /v1/chat/completions"
+    self.check_serving()
+    body = await request.body()
+    req = await self.prepare(body, parse_json, body, ChatCompletionRequest)
+    name = self.model_name(req.model)
+    top = chat_top_logprobs(req)
+    constraint, param, read_calls = chat_constraint(req)
+    ids = await self.prepare(body, chat_ids, self.encode, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    limits = self.engine.engine  # read only for its limits
+    params = sampling_params(req, [len(ids)], limits, max_tokens, top, "messages", None, constraint)
+    await self.compile_constraint(constraint, param)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    builder = ResponseBuilder("chat", rid, name, [len(ids)], req.n, self.tokenizer, top, include_usage)
+    builder.tool_calls = read_calls
+    return await self.generate(req, request, builder, [ids], params)
+
+# %% ../nbs/05_server.ipynb #01c24b4d
+def serving_app(serving: OpenAIServing) -> FastAPI:
+    "A FastAPI app whose lifespan runs `serving`'s engine thread; no routes yet."
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        serving.engine.start()
+        try:
+            yield
+        finally:
+            serving.engine.stop()
+            serving.pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="mini-vLLM", summary="An OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = serving.engine
+    app.state.serving = serving
+    return app
+
+# %% ../nbs/05_server.ipynb #58faa2dd
+class BackgroundServer:
+    "A uvicorn server in a background thread: `with BackgroundServer(app) as s: httpx.get(s.url + ...)`."
+
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **config
+    ):
+        import socket
+
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level=log_level, **config))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        "Start serving; returns once the server listens."
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        "Ask the server to exit and wait for it (the engine thread stops with the app)."
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 # %% ../nbs/05_server.ipynb #f51e4762
 class ClientGone(Exception):
@@ -1189,6 +653,116 @@ async def collect(sub: Submission, request: Request) -> list[RequestOutput]:
         work.cancel()
         gone.cancel()
         sub.abort()
+
+# %% ../nbs/05_server.ipynb #af8031ad
+@patch
+async def completions(self: OpenAIServing, request: Request) -> Response:
+    "POST /v1/completions"
+    self.check_serving()
+    body = await request.body()
+    req = await self.prepare(body, parse_json, body, CompletionRequest)
+    name = self.model_name(req.model)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    constraint, param = output_constraint(req)
+    ids = await self.prepare(body, completion_ids, self.encode, req, self.engine.vocab_size)
+    lens = [len(x) for x in ids]
+    limits = self.engine.engine  # read only for its limits
+    params = sampling_params(req, lens, limits, req.max_tokens, req.logprobs, "prompt", 16, constraint)
+    await self.compile_constraint(constraint, param)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    builder = ResponseBuilder(
+        "completion", rid, name, lens, req.n, self.tokenizer, req.logprobs, include_usage
+    )
+    return await self.generate(req, request, builder, ids, params)
+
+# %% ../nbs/05_server.ipynb #f347210e
+@patch
+async def tokenize(self: OpenAIServing, request: Request) -> Response:
+    "POST /tokenize"
+    body = await request.body()
+    req = await self.prepare(body, parse_json, body, TokenizeRequest)
+    self.model_name(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send either 'prompt' or 'messages'", param="prompt")
+    if req.prompt is not None:
+        ids = await self.prepare(body, self.encode, req.prompt)
+    else:
+        ids = await self.prepare(body, chat_ids, self.encode, req)
+    if len(ids) >= self.engine.max_model_len:
+        raise too_long(self.engine.max_model_len, f"your prompt has {len(ids)} tokens", "prompt")
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
+
+
+@patch
+async def detokenize(self: OpenAIServing, request: Request) -> Response:
+    "POST /detokenize"
+    body = await request.body()
+    req = await self.prepare(body, parse_json, body, DetokenizeRequest)
+    self.model_name(req.model)
+    check_token_ids(req.tokens, self.engine.vocab_size, "tokens")
+    text = await self.prepare(body, self.tokenizer.decode, req.tokens, False)
+    return JSONResponse({"prompt": text})
+
+# %% ../nbs/05_server.ipynb #2c8a7d32
+@patch
+async def models(self: OpenAIServing) -> Response:
+    "GET /v1/models"
+    card = {
+        "object": "model",
+        "created": 0,
+        "owned_by": "minivllm",
+        "max_model_len": self.engine.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [{"id": n, **card} for n in self.names]})
+
+
+@patch
+async def health(self: OpenAIServing) -> Response:
+    "GET /health: 200 while requests are taken; 503 draining or with the engine gone."
+    if self.draining:
+        raise server_error(503, "draining: the server is shutting down", "draining")
+    if not self.engine.accepting:
+        raise self.engine.dead_error(503)
+    return Response(status_code=200)
+
+
+@patch
+async def metrics(self: OpenAIServing) -> Response:
+    "GET /metrics: Prometheus text."
+    m = self.engine.metrics
+    m.update_queue(self.engine.admission, len(self.engine.submissions))
+    return Response(m.text(), media_type=CONTENT_TYPE_LATEST)
+
+# %% ../nbs/05_server.ipynb #34e290e7
+def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    "The endpoints, each a method of `serving`."
+    app.post("/v1/chat/completions")(serving.chat_completions)
+    app.post("/v1/completions")(serving.completions)
+    app.get("/v1/models")(serving.models)
+    app.post("/tokenize")(serving.tokenize)
+    app.post("/detokenize")(serving.detokenize)
+    app.get("/health")(serving.health)
+    app.get("/metrics")(serving.metrics)
+
+# %% ../nbs/05_server.ipynb #37908015
+def add_error_handlers(app: FastAPI) -> None:
+    "Every error as OpenAI's JSON: APIError as it is, HTTP errors by status, anything else a logged 500."
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return APIError(e.status_code, str(e.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, e: Exception):
+        log.exception("unexpected error")
+        return server_error(500, f"internal error: {type(e).__name__}: {e}", "internal_error").response()
 
 # %% ../nbs/05_server.ipynb #05df5427
 def _is_json(content_type: bytes) -> bool:
@@ -1283,263 +857,6 @@ def _replay(body: bytes, receive):
 
     return replay
 
-# %% ../nbs/05_server.ipynb #9c723714
-class OpenAIServing:
-    "OpenAI's endpoints over an AsyncEngine (routes are added by `build_app`)."
-
-    def __init__(self, engine: AsyncEngine, names: list[str], prep_threads: int = 2):
-        self.engine = engine
-        self.names = names
-        self.tokenizer = engine.tokenizer
-        self.encode = PromptEncoder(engine.tokenizer, engine.max_model_len)
-        self.pool = ThreadPoolExecutor(prep_threads, thread_name_prefix="minivllm-prep")
-        self.inline_bytes = 64 << 10  # bodies up to this size are prepared on the event loop
-        self.draining = False
-
-    def model_name(self, model: str | None) -> str:
-        "The served name a request asks for (404 for a name not served); the first one if none."
-        if model is None:
-            return self.names[0]
-        if model not in self.names:
-            msg = f"The model `{model}` does not exist; this server serves {self.names}."
-            raise APIError(404, msg, param="model", code="model_not_found")
-        return model
-
-    def check_serving(self) -> None:
-        "503 when no new request may start: the server is draining, the engine is gone, or the queue is full."
-        if self.draining:
-            raise shutting_down()
-        if not self.engine.accepting:
-            raise self.engine.dead_error(503)
-        self.engine.admission.check_room()
-
-    async def prepare(self, body: bytes, fn: Callable, *args) -> Any:
-        "fn(*args) for a request with this body: on the event loop if it is small, else in a helper thread."
-        if len(body) <= self.inline_bytes:
-            return fn(*args)  # faster than the hop to a thread and back
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-# %% ../nbs/05_server.ipynb #60e0d51d
-@patch
-def chat_ids(self: OpenAIServing, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-    "The token ids of a conversation (in a helper thread for a large body)."
-    parts = [m.content if isinstance(m.content, str) else "" for m in req.messages]
-    parts += [p.text for m in req.messages if isinstance(m.content, list) for p in m.content]
-    if sum(map(len, parts)) > self.encode.max_chars:
-        raise too_long(self.engine.max_model_len, "your messages are far longer", "messages")
-    return self.encode(
-        chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt, req.tools), "messages"
-    )
-
-# %% ../nbs/05_server.ipynb #c785086c
-@patch
-async def generate(
-    self: OpenAIServing,
-    req: SamplingRequest,
-    request: Request,
-    builder: ResponseBuilder,
-    prompts: list[list[int]],
-    params: SamplingParams,
-) -> Response:
-    "Submit the prompts; the streamed or whole response."
-    self.check_serving()
-    try:
-        sub = await self.engine.submit(prompts, params)
-    except ValueError as e:  # SamplingError, RequestTooLong
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-    if req.stream:
-        return SSEResponse(builder.stream(sub), on_close=sub.abort)
-    try:
-        return JSONResponse(builder.response(await collect(sub, request)))
-    except ClientGone:
-        return Response(status_code=499)
-
-# %% ../nbs/05_server.ipynb #604de9b1
-def chat_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None, bool]:
-    "A chat request's output grammar and the field it came from, and whether its answer may call tools."
-    try:
-        functions = check_tools(req.tools)
-        mode, name = resolve_tool_choice(req.tool_choice, functions)
-    except ToolCallError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    constraint, param = output_constraint(req)
-    forced = tool_call_grammar(functions, mode, name, req.parallel_tool_calls)
-    if forced is not None and constraint is not None:
-        msg = f"tool_choice {req.tool_choice!r} forces tool calls; it cannot be combined with {param}."
-        raise APIError(400, msg, param="tool_choice")
-    if forced is not None:
-        return forced, "tools", True
-    return constraint, param, mode != "none"
-
-
-@patch
-async def compile_constraint(
-    self: OpenAIServing, constraint: StructuredOutputsParams | None, param: str
-) -> None:
-    "Compile a grammar in a helper thread before it is queued (the engine finds it cached); 400 if it fails."
-    if constraint is None:
-        return
-    try:
-        await asyncio.get_running_loop().run_in_executor(
-            self.pool, self.engine.structured.compile, constraint
-        )
-    except StructuredOutputError as e:
-        raise APIError(400, f"{param}: {e}", param=param) from None
-
-# %% ../nbs/05_server.ipynb #390d738a
-def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
-    "How many alternatives per token a chat request asks for (None: no logprobs), or a 400."
-    if not req.logprobs:
-        if req.top_logprobs is not None:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return None
-    top = req.top_logprobs or 0
-    if not 0 <= top <= 20:
-        raise APIError(400, f"top_logprobs must be an integer from 0 to 20, got {top}", param="top_logprobs")
-    return top
-
-
-@patch
-async def chat_completions(self: OpenAIServing, request: Request) -> Response:
-    "POST /v1/chat/completions"
-    self.check_serving()
-    body = await request.body()
-    req = await self.prepare(body, parse_json, body, ChatCompletionRequest)
-    name = self.model_name(req.model)
-    top = chat_top_logprobs(req)
-    constraint, param, read_calls = chat_constraint(req)
-    ids = await self.prepare(body, self.chat_ids, req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, [len(ids)], self.engine, max_tokens, top, "messages", None, constraint)
-    await self.compile_constraint(constraint, param)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    builder = ResponseBuilder("chat", rid, name, [len(ids)], req.n, self.tokenizer, top, include_usage)
-    builder.tool_calls = read_calls
-    return await self.generate(req, request, builder, [ids], params)
-
-# %% ../nbs/05_server.ipynb #af8031ad
-@patch
-def completion_ids(self: OpenAIServing, req: CompletionRequest) -> list[list[int]]:
-    "The token ids of each prompt of a completions request (in a helper thread for a large body)."
-    p = req.prompt
-    prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    if not prompts:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    ids = [self.encode(x) if isinstance(x, str) else list(x) for x in prompts]
-    for x in ids:
-        check_token_ids(x, self.engine.vocab_size, "prompt")
-    return ids
-
-
-@patch
-async def completions(self: OpenAIServing, request: Request) -> Response:
-    "POST /v1/completions"
-    self.check_serving()
-    body = await request.body()
-    req = await self.prepare(body, parse_json, body, CompletionRequest)
-    name = self.model_name(req.model)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    constraint, param = output_constraint(req)
-    ids = await self.prepare(body, self.completion_ids, req)
-    lens = [len(x) for x in ids]
-    params = sampling_params(req, lens, self.engine, req.max_tokens, req.logprobs, "prompt", 16, constraint)
-    await self.compile_constraint(constraint, param)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    builder = ResponseBuilder(
-        "completion", rid, name, lens, req.n, self.tokenizer, req.logprobs, include_usage
-    )
-    return await self.generate(req, request, builder, ids, params)
-
-# %% ../nbs/05_server.ipynb #f347210e
-@patch
-async def tokenize(self: OpenAIServing, request: Request) -> Response:
-    "POST /tokenize"
-    body = await request.body()
-    req = await self.prepare(body, parse_json, body, TokenizeRequest)
-    self.model_name(req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise APIError(400, "send either 'prompt' or 'messages'", param="prompt")
-    if req.prompt is not None:
-        ids = await self.prepare(body, self.encode, req.prompt)
-    else:
-        ids = await self.prepare(body, self.chat_ids, req)
-    if len(ids) >= self.engine.max_model_len:
-        raise too_long(self.engine.max_model_len, f"your prompt has {len(ids)} tokens", "prompt")
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
-
-
-@patch
-async def detokenize(self: OpenAIServing, request: Request) -> Response:
-    "POST /detokenize"
-    body = await request.body()
-    req = await self.prepare(body, parse_json, body, DetokenizeRequest)
-    self.model_name(req.model)
-    check_token_ids(req.tokens, self.engine.vocab_size, "tokens")
-    text = await self.prepare(body, self.tokenizer.decode, req.tokens, False)
-    return JSONResponse({"prompt": text})
-
-# %% ../nbs/05_server.ipynb #2c8a7d32
-@patch
-async def models(self: OpenAIServing) -> Response:
-    "GET /v1/models"
-    card = {
-        "object": "model",
-        "created": 0,
-        "owned_by": "minivllm",
-        "max_model_len": self.engine.max_model_len,
-    }
-    return JSONResponse({"object": "list", "data": [{"id": n, **card} for n in self.names]})
-
-
-@patch
-async def health(self: OpenAIServing) -> Response:
-    "GET /health: 200 while requests are taken; 503 draining or with the engine gone."
-    if self.draining:
-        raise server_error(503, "draining: the server is shutting down", "draining")
-    if not self.engine.accepting:
-        raise self.engine.dead_error(503)
-    return Response(status_code=200)
-
-
-@patch
-async def metrics(self: OpenAIServing) -> Response:
-    "GET /metrics: Prometheus text."
-    m = self.engine.metrics
-    m.update_queue(self.engine.admission, len(self.engine.submissions))
-    return Response(m.text(), media_type=CONTENT_TYPE_LATEST)
-
-# %% ../nbs/05_server.ipynb #37908015
-def add_error_handlers(app: FastAPI) -> None:
-    "Every error as OpenAI's JSON: APIError as it is, HTTP errors by status, anything else a logged 500."
-
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, e: StarletteHTTPException):
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return APIError(e.status_code, str(e.detail), type=kind).response()
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request, e: Exception):
-        log.exception("unexpected error")
-        return server_error(500, f"internal error: {type(e).__name__}: {e}", "internal_error").response()
-
-
-def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    "The endpoints, each a method of `serving`."
-    app.post("/v1/chat/completions")(serving.chat_completions)
-    app.post("/v1/completions")(serving.completions)
-    app.get("/v1/models")(serving.models)
-    app.post("/tokenize")(serving.tokenize)
-    app.post("/detokenize")(serving.detokenize)
-    app.get("/health")(serving.health)
-    app.get("/metrics")(serving.metrics)
-
 # %% ../nbs/05_server.ipynb #6e8b746b
 def build_app(
     engine: LLMEngine | AsyncEngine,
@@ -1556,66 +873,53 @@ def build_app(
     if not isinstance(engine, AsyncEngine):
         aeng = AsyncEngine(engine, names[0], None, max_num_queued_reqs, max_num_queued_tokens)
     serving = OpenAIServing(aeng, names)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        aeng.start()
-        try:
-            yield
-        finally:
-            aeng.stop()
-            serving.pool.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="mini-vLLM", summary="An OpenAI-compatible server", lifespan=lifespan)
+    app = serving_app(serving)
+    add_routes(app, serving)
     limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout, "gate": serving.check_serving}
     app.add_middleware(RequestGuard, api_key=api_key, **limits)
-    app.state.engine = aeng
-    app.state.serving = serving
     add_error_handlers(app)
-    add_routes(app, serving)
     return app
 
-# %% ../nbs/05_server.ipynb #58faa2dd
-class BackgroundServer:
-    "A uvicorn server in a background thread: `with BackgroundServer(app) as s: httpx.get(s.url + ...)`."
+# %% ../nbs/05_server.ipynb #1ef6059c
+@patch
+def update_queue(self: EngineMetrics, admission: Admission, in_flight: int) -> None:
+    "The server's own gauges, and the shed counter by what changed, from the queue's bookkeeping."
+    self.num_queued_sequences.set(admission.seqs)
+    self.num_queued_prompt_tokens.set(admission.prompt_tokens)
+    self.num_requests_in_flight.set(in_flight)
+    self.requests_shed.inc(admission.rejected - self._shed_seen)
+    self._shed_seen = admission.rejected
 
-    def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **config
-    ):
-        import socket
 
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.host, self.port = self.sock.getsockname()[:2]
-        self.url = f"http://{self.host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level=log_level, **config))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+@patch
+def text(self: EngineMetrics) -> str:
+    "The Prometheus exposition text."
+    return generate_latest(self.registry).decode()
 
-    def start(self, timeout: float = 60.0) -> BackgroundServer:
-        "Start serving; returns once the server listens."
-        self.thread.start()
-        t0 = time.monotonic()
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        return self
+# %% ../nbs/05_server.ipynb #12cf79cb
+@patch
+def _die(self: AsyncEngine, cause: BaseException) -> None:
+    log.critical("the engine thread died", exc_info=cause)
+    self.death = cause
+    for callback in self.on_death:
+        callback(cause)
+    self._end_all(self.dead_error(500))
 
-    def stop(self) -> None:
-        "Ask the server to exit and wait for it (the engine thread stops with the app)."
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+@patch
+def dead_error(self: AsyncEngine, status: int = 500) -> APIError:
+    "The error of a request the engine cannot serve: 500 for one it was serving, 503 for a new one."
+    why = f"{type(self.death).__name__}: {self.death}" if self.death else "it was stopped"
+    return server_error(status, f"The engine is not running ({why}).", "engine_dead")
 
 # %% ../nbs/05_server.ipynb #b1e918f9
+@patch
+def fail_submissions(self: AsyncEngine, error: APIError) -> None:
+    "End every request in flight with `error` (from the event loop's thread)."
+    for sub in list(self.submissions):
+        sub.fail(error)
+
+
 @patch
 async def drain(self: OpenAIServing, timeout: float) -> int:
     "Take no new request, let those in flight finish for up to `timeout` s, end the rest; returns how many."
@@ -1776,27 +1080,9 @@ def arg_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(ap)
     return ap
 
-# %% ../nbs/05_server.ipynb #c519457a
-def in_passing_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
-    "`fn(*args, **kwargs)` in a thread that ends with it, so the OpenMP pool its torch ops start ends too."
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="minivllm-load", daemon=True)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
 # %% ../nbs/05_server.ipynb #3819a131
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    "Load the model and build the engine the engine flags describe (in a passing thread: see above)."
+    "Load the model and build the engine the engine flags describe (in a passing thread: see On the CPU)."
     t0 = time.time()
     engine = in_passing_thread(LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
     w = engine.model.lm_head.weight
@@ -1808,21 +1094,12 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def log_engine(aeng: AsyncEngine) -> None:
+    "Log what was built: the KV cache, the engine's limits, the queue's."
     c, cfg, adm = aeng.engine.cache, aeng.engine.scheduler.config, aeng.admission
-    tokens = f"{c.num_blocks * c.block_size:,}"
-    log.info(
-        "KV cache: %d blocks x %d tokens = %s tokens, %.2f GiB",
-        c.num_blocks,
-        c.block_size,
-        tokens,
-        c.nbytes / 2**30,
-    )
-    log.info(
-        "max_model_len %d, max_num_seqs %d, %d torch threads",
-        aeng.max_model_len,
-        cfg.max_num_seqs,
-        aeng.num_threads,
-    )
+    kv = (c.num_blocks, c.block_size, f"{c.num_blocks * c.block_size:,}", c.nbytes / 2**30)
+    log.info("KV cache: %d blocks x %d tokens = %s tokens, %.2f GiB", *kv)
+    limits = (aeng.max_model_len, cfg.max_num_seqs, aeng.num_threads)
+    log.info("max_model_len %d, max_num_seqs %d, %d torch threads", *limits)
     log.info("queue: at most %d sequences and %d prompt tokens", adm.max_seqs, adm.max_prompt_tokens)
 
 # %% ../nbs/05_server.ipynb #0a58d950
@@ -1846,17 +1123,29 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=5,
     )
     server = GracefulServer(config, app.state.serving, args.shutdown_timeout)
-    key = ", API key required" if api_key else ""
-    log.info(
-        "serving %s on http://%s:%d (OpenAI API under /v1%s; /health, /metrics)",
-        names,
-        args.host,
-        args.port,
-        key,
-    )
+    where, key = f"http://{args.host}:{args.port}", ", API key required" if api_key else ""
+    log.info("serving %s on %s (OpenAI API under /v1%s; /health, /metrics)", names, where, key)
     server.run()
     if server.exit_code:
         raise SystemExit(server.exit_code)
+
+# %% ../nbs/05_server.ipynb #c519457a
+def in_passing_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    "`fn(*args, **kwargs)` in a thread that ends with it, so the OpenMP pool its torch ops start ends too."
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="minivllm-load", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 # %% ../nbs/05_server.ipynb #6a0d3b9d
 #| eval: false
