@@ -511,7 +511,7 @@ class _SequenceText:
     emitted_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    grammar: GrammarState | None = None  # where a constrained sequence is in its grammar (04b)
+    grammar: GrammarState | None = None  # where a constrained sequence is in its grammar (11)
 
 
 @dataclass(eq=False)
@@ -560,12 +560,12 @@ class ModelRunner:
         cache: KVCache,
         block_manager: BlockManager,
         decoder: DecodeAttention | None = None,  # how decode rows attend; None: `default_decoder(cache)`
-        graphs: DecodeGraphs | None = None,  # CUDA graphs of pure-decode steps (08); None: always eager
+        graphs: DecodeGraphs | None = None,  # CUDA graphs of pure-decode steps (09); None: always eager
     ):
         self.model, self.cache, self.block_manager = model, cache, block_manager
         self.decoder, self.graphs = decoder or default_decoder(cache), graphs
         self.device = model.lm_head.weight.device
-        self.argmax = getattr(model.lm_head, "argmax", None)  # the head's exact greedy path, if any (01b)
+        self.argmax = getattr(model.lm_head, "argmax", None)  # the head's exact greedy path, if any (07)
 
     @torch.inference_mode()
     def sample_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -596,7 +596,7 @@ class ModelRunner:
         return self.argmax(hidden) if len(hidden) else []
 
     def shutdown(self) -> None:
-        "Release what the runner started: nothing here (07's tensor-parallel runner stops its workers)."
+        "Release what the runner started: nothing here (10's tensor-parallel runner stops its workers)."
 
 
 # %% ../nbs/04_engine.ipynb #52701f70
@@ -725,7 +725,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         "Load `args.model` (in `args.dtype` on `args.device`) and build the engine around it."
-        if args.tensor_parallel_size > 1:  # the model split over ranks: 07
+        if args.tensor_parallel_size > 1:  # the model split over ranks: 10
             from minivllm.parallel import launch_tensor_parallel
 
             return launch_tensor_parallel(cls, args)
@@ -1217,7 +1217,7 @@ def chat(
 # %% ../nbs/04_engine.ipynb #8424d7a3
 @patch
 def shutdown(self: LLMEngine) -> None:
-    "Stop whatever the runner started (07's tensor-parallel workers); safe to call twice."
+    "Stop whatever the runner started (10's tensor-parallel workers); safe to call twice."
     self.runner.shutdown()
 
 

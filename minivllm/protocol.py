@@ -557,7 +557,7 @@ class ResponseBuilder:
     tokenizer: Tokenizer
     logprobs: int | None = None  # top-k asked for, None if none
     include_usage: bool = False
-    tool_calls: bool = False  # chat: read tool calls out of the answer (05b_tool_calls)
+    tool_calls: bool = False  # chat: read tool calls out of the answer (12_tool_calls)
     created: int = field(default_factory=lambda: int(time.time()))
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # choice index -> its stream's parser
 

@@ -308,7 +308,7 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=True)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # q, k and v in one product, once `merge_projections` ran
-        self.rotary = apply_rotary  # how q and k turn (01b's CPU path swaps in one C call of the same sums)
+        self.rotary = apply_rotary  # how q and k turn (07's CPU path swaps in one C call of the same sums)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         "q, k and v of `x` [T, hidden] side by side: [T, (Hq + 2 Hkv) D]."

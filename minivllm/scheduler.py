@@ -55,7 +55,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token (0: just the chosen one)
     seed: int | None = None
     skip_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar (04b)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar (11)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

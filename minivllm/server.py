@@ -59,7 +59,7 @@ def available_cores() -> int:
 
 def engine_threads(engine: LLMEngine) -> int:
     "Torch threads for the engine thread: every core, or rank 0's share of them under tensor parallelism."
-    group = getattr(engine.runner, "group", None)  # a tensor-parallel runner's group (07)
+    group = getattr(engine.runner, "group", None)  # a tensor-parallel runner's group (10)
     return getattr(group, "threads", None) or available_cores()
 
 
@@ -87,7 +87,7 @@ class AsyncEngine:
     ):
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer  # read-only from here on: safe from any thread
-        self.structured = engine.structured  # compiled grammars, behind a lock: safe from any thread (04b)
+        self.structured = engine.structured  # compiled grammars, behind a lock: safe from any thread (11)
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model.config.vocab_size
         self.metrics = EngineMetrics(model_name)

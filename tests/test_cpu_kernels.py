@@ -1,4 +1,4 @@
-"""CPU kernels (01b_cpu_kernels): int8/int4 linear layers against their dequantized float reference, kernels
+"""CPU kernels (07_cpu_kernels): int8/int4 linear layers against their dequantized float reference, kernels
 chosen per shape, `prepare_linears` and `load_model(quantization=...)` on tiny models, and `dtype="auto"`."""
 import ctypes
 import json

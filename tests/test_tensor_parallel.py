@@ -1,4 +1,4 @@
-"""Tensor parallelism (07) on the CPU over gloo: greedy output equal to N=1 for several head layouts, a preemption
+"""Tensor parallelism (10) on the CPU over gloo: greedy output equal to N=1 for several head layouts, a preemption
 storm, a killed worker (a clear error, not a hang), rank 0 killed (its worker exits), two processes joined over TCP."""
 import os
 import signal

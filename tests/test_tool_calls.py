@@ -1,4 +1,4 @@
-"""Tool calls (05b_tool_calls) and the server's side of structured outputs, without the bundled model.
+"""Tool calls (12_tool_calls) and the server's side of structured outputs, without the bundled model.
 
 The hermes parser against every way of cutting a text (hypothesis: streamed events == the whole answer), the
 checks of `tools` and `tool_choice`, the grammar of `required` and named calls walked at random (every walk
