@@ -29,8 +29,9 @@ from fastcore.basics import patch
 
 from .cpu_kernels import cpuinfo
 from .engine import EngineArgs, LLMEngine, SamplingParams
-from .qwen2 import Qwen2Config, Qwen2ForCausalLM, Tokenizer
-from .qwen2 import assemble_bundled_gguf, load_model, resolve_model
+from .qwen2 import Qwen2Config, Qwen2ForCausalLM
+from .runner import load_prepared
+from .weights import Tokenizer, assemble_bundled_gguf, load_model, resolve_model
 
 # %% auto #0
 __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
@@ -343,7 +344,7 @@ def _profile_targets(model: Qwen2ForCausalLM) -> list[tuple[type, str, object]]:
         Int8Linear,
         Int8OneDNNLinear,
     )
-    from minivllm.qwen2 import PackedLinear
+    from minivllm.cpu_kernels import PackedLinear
 
     def linear(m):
         head = m is model.lm_head or m is getattr(model.lm_head, "inner", None)  # a `GreedyHead`'s logits
@@ -750,7 +751,7 @@ def _load_mode(model: str | None, mode: Mode) -> tuple[Qwen2ForCausalLM, Tokeniz
     "Our model in `mode`, its tokenizer, and a record of the load: seconds, the dtype it got, what it logged."
     with captured_logs() as lines:
         t0 = time.perf_counter()
-        m, tok = load_model(model, mode.dtype, quantization=mode.quantization)
+        m, tok = load_prepared(model, mode.dtype, quantization=mode.quantization)
         seconds = time.perf_counter() - t0
     dtype = _dtype_name(m.model.norm.weight.dtype)  # norms are never quantized: the activations' dtype
     rec = {
@@ -1257,7 +1258,7 @@ def _write(a: argparse.Namespace, res: dict) -> None:
 def _load(a: argparse.Namespace) -> tuple[Qwen2ForCausalLM, Tokenizer, EngineArgs]:
     "The model `--model`, `--dtype` and `--device` name, its tokenizer, and the engine's flags."
     args = EngineArgs.from_cli_args(a)
-    model, tok = load_model(args.model, args.dtype, args.device, quantization=args.quantization)
+    model, tok = load_prepared(args.model, args.dtype, args.device, args.quantization)
     return model, tok, args
 
 

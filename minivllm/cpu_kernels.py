@@ -34,51 +34,92 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 import minivllm
-from .qwen2 import PackedLinear, RMSNorm, apply_rotary, cache_dir, packing_supported, row_bucket
+from minivllm.paged_cache import (
+    DecodeAttention,
+    KVCache,
+    PagedBatch,
+    BlockTable,
+    _decode_blocks,
+    paged_decode_attention,
+    padded_decode_attention,
+)
+from .qwen2 import apply_rotary, Qwen2ForCausalLM, RMSNorm
+from .utils import cache_dir, cpu_flags, cpu_has_bf16, cpuinfo, row_bucket
 
 log = logging.getLogger("minivllm")
 QUANTIZATIONS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['log', 'QUANTIZATIONS', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'CSRC', 'IsaTable', 'PORTABLE', 'C_FLAGS', 'CFunctions',
-           'INT4_ISAS', 'INT4_FUNCTIONS', 'SHORTLIST', 'F32_ISAS', 'F32_FUNCTIONS', 'NORM_FUNCTIONS', 'Kernel',
-           'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE', 'HEAD_FUNCTIONS', 'GREEDY_SHORTLIST',
-           'PLANS_VERSION', 'cpuinfo', 'cpu_flags', 'cpu_has_bf16', 'once_per_weight', 'quantized_once',
-           'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows', 'join_rows', 'onednn_int8_supported',
-           'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4', 'dequantize_int4', 'int4_supported', 'Int4Linear',
-           'c_lines', 'show_c', 'isas_here', 'isa_here', 'CBuildError', 'c_compiler', 'sources_digest',
-           'compile_kernels', 'c_library', 'run_selftests', 'passed_selftests', 'declare', 'build_library', 'int4_isas',
-           'int4_library', 'int4_int8_supported', 'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead', 'f32_library',
-           'f32_supported', 'f32_blocks', 'F32Linear', 'norm_library', 'CRMSNorm', 'prepare_norms', 'c_rotary',
-           'kernel_candidates', 'time_kernels', 'weight_bytes', 'layout_of', 'plan_of', 'plan_name', 'choose_kernel',
-           'ByRows', 'available_memory', 'two_layouts_fit', 'builds_per_shape', 'RowBuckets', 'kernels_of',
-           'head_library', 'GreedyHead', 'use_greedy_head', 'KernelReport', 'machine_key', 'plan_key', 'PlanCache',
-           'prepare_linears']
+__all__ = ['log', 'QUANTIZATIONS', 'PACK_BATCH_HINT', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'CSRC', 'IsaTable', 'PORTABLE', 'C_FLAGS',
+           'CFunctions', 'INT4_ISAS', 'INT4_FUNCTIONS', 'SHORTLIST', 'F32_ISAS', 'F32_FUNCTIONS', 'ATTN_FUNCTIONS',
+           'NORM_FUNCTIONS', 'Kernel', 'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE',
+           'HEAD_FUNCTIONS', 'GREEDY_SHORTLIST', 'PLANS_VERSION', 'packing_supported', 'PackedLinear', 'pack_linears',
+           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
+           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
+           'dequantize_int4', 'int4_supported', 'Int4Linear', 'c_lines', 'show_c', 'isas_here', 'isa_here',
+           'CBuildError', 'c_compiler', 'sources_digest', 'compile_kernels', 'c_library', 'run_selftests',
+           'passed_selftests', 'declare', 'build_library', 'int4_isas', 'int4_library', 'int4_int8_supported',
+           'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported', 'f32_blocks',
+           'F32Linear', 'attn_library', 'c_decode_supported', 'paged_decode_attention_c', 'CDecode', 'default_decoder',
+           'norm_library', 'CRMSNorm', 'prepare_norms', 'c_rotary', 'kernel_candidates', 'time_kernels', 'weight_bytes',
+           'layout_of', 'plan_of', 'plan_name', 'choose_kernel', 'ByRows', 'available_memory', 'two_layouts_fit',
+           'builds_per_shape', 'RowBuckets', 'kernels_of', 'head_library', 'GreedyHead', 'use_greedy_head',
+           'KernelReport', 'machine_key', 'plan_key', 'PlanCache', 'prepare_linears', 'check_quantization',
+           'prepare_model']
 
-# %% ../nbs/07_cpu_kernels.ipynb #b850606f
-def cpuinfo() -> dict[str, str]:
-    "The first processor's fields in /proc/cpuinfo ({} on a system without it)."
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    first = text.split("\n\n", 1)[0]
-    pairs = [line.split(":", 1) for line in first.splitlines() if ":" in line]
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
-def cpu_flags() -> set[str]:
-    "The CPU's feature flags from /proc/cpuinfo (an empty set where there is no such file)."
-    return set(cpuinfo().get("flags", "").split())
-
-
+# %% ../nbs/07_cpu_kernels.ipynb #90088ac1
 @functools.cache
-def cpu_has_bf16() -> bool:
-    "Whether this CPU computes bfloat16 in hardware: AMX or AVX512-BF16."
-    if cpu_flags() & {"amx_bf16", "avx512_bf16"}:
+def packing_supported(dtype: torch.dtype = torch.float32) -> bool:
+    "Whether oneDNN can reorder and run `dtype` weights on this CPU."
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), w, None, "none", [], "")
         return True
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+PACK_BATCH_HINT = 32  # the batch the layout is tuned for; on the build machines 32 served 1 to 64 rows best
+
+# %% ../nbs/07_cpu_kernels.ipynb #da6ff6a7
+class PackedLinear(nn.Linear):
+    "An `nn.Linear` whose weight is reordered once into oneDNN's blocked layout (CPU inference only)."
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> PackedLinear:
+        "A packed copy of `lin` (same bias)."
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)  # skip nn.Linear's init: no fresh random weight to throw away
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        w = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous(), PACK_BATCH_HINT)
+        new.weight = nn.Parameter(w, requires_grad=False)
+        new.bias = None if lin.bias is None else nn.Parameter(lin.bias.detach(), requires_grad=False)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()  # [N, in]
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")  # [N, out]
+        return y.view(*x.shape[:-1], self.out_features)  # [..., out]
+
+# %% ../nbs/07_cpu_kernels.ipynb #cc466be5
+def pack_linears(model: nn.Module) -> int:
+    "Replace every `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. CPU only."
+    todo = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    if not todo:
+        return 0
+    w = todo[0][2].weight
+    if w.device.type != "cpu" or not packing_supported(w.dtype):
+        dtype = str(w.dtype).removeprefix("torch.")
+        raise ValueError(f"oneDNN cannot pack {dtype} weights on {w.device} here; use pack=False")
+    with torch.no_grad():
+        for parent, name, child in todo:
+            setattr(parent, name, PackedLinear.from_linear(child))
+    return len(todo)
 
 # %% ../nbs/07_cpu_kernels.ipynb #daac51e5
 QUANT_CHUNK = 8192  # rows quantized at a time: bounds the float32 temporaries
@@ -728,6 +769,80 @@ class F32Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.isa}"
 
+# %% ../nbs/07_cpu_kernels.ipynb #981a243f
+ATTN_FUNCTIONS = {
+    "attn_decode": dict(
+        bf16=c_int, q=c_void_p, kp=c_void_p, vp=c_void_p, ids=c_void_p, row=c_void_p, valid=c_void_p, P=c_int,
+        B=c_int, Hq=c_int, Hkv=c_int, D=c_int, bs=c_int, out=c_void_p, threads=c_int,
+    ),
+}  # fmt: skip
+
+
+@functools.cache
+def attn_library() -> ctypes.CDLL | None:
+    "Our C library, for its decode attention (self-tested here), or None where it cannot run here."
+    return build_library("attn", PORTABLE, ATTN_FUNCTIONS)
+
+
+def c_decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    "Whether `paged_decode_attention_c` takes these: on the CPU, float32 or bfloat16 alike, head dim <= 256."
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    shape_ok = D <= 256 and Hq % Hkv == 0 and Hq // Hkv <= 16
+    dtype_ok = q.dtype == k_pool.dtype and q.dtype in (torch.float32, torch.bfloat16)
+    return q.device.type == "cpu" and shape_ok and dtype_ok and attn_library() is not None
+
+
+def paged_decode_attention_c(
+    q: torch.Tensor,  # [B, Hq, D] one query per decoding sequence
+    k_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D]
+    v_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D]
+    block_ids: torch.Tensor,  # [P] every block read, sequence after sequence
+    block_row: torch.Tensor,  # [P] the query row of each
+    valid: torch.Tensor,  # [P, bs] which slots hold context
+) -> torch.Tensor:
+    "`paged_decode_attention` in one C call (see `c_decode_supported`): [B, Hq, D]."
+    B, Hq, D = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    ids, rows = block_ids.to(torch.int64).contiguous(), block_row.to(torch.int64).contiguous()
+    ok = valid.to(torch.bool).contiguous()  # one byte a slot
+    failed = attn_library().attn_decode(
+        q.dtype == torch.bfloat16, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), ids.data_ptr(),
+        rows.data_ptr(), ok.data_ptr(), ids.shape[0], B, Hq, k_pool.shape[2], D, k_pool.shape[1],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise RuntimeError(
+            f"attn_decode failed ({failed}) for q {tuple(q.shape)}, pools {tuple(k_pool.shape)}"
+        )
+    return out
+
+# %% ../nbs/07_cpu_kernels.ipynb #0be94dd3
+class CDecode(DecodeAttention):
+    "Decode attention in one C call a layer (`paged_decode_attention_c`), on the reference's block lists."
+
+    name = "c"
+
+    def prepare(
+        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
+    ) -> None:
+        "Block ids, their rows and valid slots: the C kernel takes a lone row like any other."
+        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
+
+    def decode(
+        self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        "One C call: [B, Hq, D]."
+        return paged_decode_attention_c(q, k_pool, v_pool, meta.block_ids, meta.block_row, meta.valid)
+
+
+def default_decoder(cache: KVCache) -> DecodeAttention:
+    "The C kernel where it runs this cache (CPU, float32 or bfloat16, built here), else the reference."
+    q = cache.k.new_empty(1, cache.num_heads, cache.k.shape[-1])  # [1, Hq, D]: what c_decode_supported reads
+    return CDecode() if c_decode_supported(q, cache.k[0]) else DecodeAttention()
+
+
 # %% ../nbs/07_cpu_kernels.ipynb #a3b914d7
 NORM_FUNCTIONS = {
     "rmsnorm": dict(
@@ -1357,3 +1472,25 @@ def prepare_linears(
         head.weight = emb.weight.detach()  # answers dtype and device; not a parameter (see above)
     log.info(report.line)
     return report
+
+# %% ../nbs/07_cpu_kernels.ipynb #4c8e4922
+def check_quantization(quantization: str | None) -> None:
+    "Refuse an unknown quantization, before anything is loaded."
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} unknown: use int8 or int4")
+
+
+def prepare_model(
+    model: Qwen2ForCausalLM, quantization: str | None = None, pack: bool | None = None
+) -> Qwen2ForCausalLM:
+    "The CPU's kernels put into a plain model, in place (`pack`: True oneDNN, False `nn.Linear`, None measure)."
+    check_quantization(quantization)
+    on_cpu = model.lm_head.weight.device.type == "cpu"
+    if quantization is not None and not on_cpu:
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only")
+    if on_cpu and (pack is not False or quantization is not None):
+        prepare_linears(model, quantization, pack, kept=PlanCache.here())  # plans measured here before: kept
+        prepare_norms(model)  # RMSNorm and rotary in one C call each
+    elif pack:
+        pack_linears(model)  # off the CPU: refused, with the reason
+    return model

@@ -6,11 +6,8 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import functools
-import importlib.util
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,17 +17,22 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from minivllm.paged_cache import (
-    BlockManager,
-    CDecode,
-    DecodeAttention,
-    KVCache,
-    PagedBatch,
-    default_decoder,
-    num_kv_blocks_for,
-    to_device,
+from .paged_cache import BlockManager, KVCache, num_kv_blocks_for, to_device
+from .parallel import launch_tensor_parallel
+from .qwen2 import Qwen2ForCausalLM
+from minivllm.runner import (
+    RELEASE_EVERY_S,
+    EngineArgs,
+    FlatBatch,
+    ModelRunner,
+    load_prepared,
+    make_decoder,
+    parse_bytes,
+    release_free_memory,
+    uses_cuda_graphs,
+    warmup_step,
 )
-from .qwen2 import ContiguousKVCache, Qwen2ForCausalLM, Tokenizer, load_model
+from .weights import Tokenizer
 from .structured import GrammarState, StructuredOutputs, apply_grammar_masks
 from minivllm.scheduler import (
     SamplingError,
@@ -46,122 +48,9 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
 
 
 # %% auto #0
-__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'Logprob',
-           'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token', 'nucleus_rows', 'draw_tokens',
-           'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'FlatBatch',
-           'ModelRunner', 'make_decoder', 'uses_cuda_graphs', 'EngineStats', 'StepRecord', 'warmup_step', 'LLMEngine',
-           'release_free_memory', 'LLM', 'main']
-
-# %% ../nbs/04_engine.ipynb #14d1850a
-def _opt(default, help: str, **cli):
-    "A field with its default, its help line and, in `cli`, how the command line spells it."
-    return field(default=default, metadata={"help": help, **cli})
-
-
-def parse_bytes(s: str) -> int:
-    "'2GiB', '512M', '1e9', '1073741824' -> bytes."
-    units = {
-        "k": 1e3,
-        "m": 1e6,
-        "g": 1e9,
-        "t": 1e12,
-        "ki": 1 << 10,
-        "mi": 1 << 20,
-        "gi": 1 << 30,
-        "ti": 1 << 40,
-    }
-    t = s.strip().lower().removesuffix("b")
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(float(t))
-
-# %% ../nbs/04_engine.ipynb #e26ba637
-@dataclass
-class EngineArgs:
-    "Every engine option, once, with its default (vLLM's names)."
-
-    model: str | None = _opt(
-        None, "a local folder, a .gguf file or a Hugging Face repo id (default: the bundled model)"
-    )
-    dtype: str | None = _opt(
-        "auto",
-        "float32, bfloat16, float16 or auto: on CUDA bfloat16 from compute capability 8.0 (Ampere), "
-        "float16 below (T4, V100: bfloat16 is refused there); on the CPU bfloat16 with AMX or AVX512-BF16, "
-        "else float32",
-    )
-    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    block_size: int = _opt(16, "tokens per KV cache block")
-    num_kv_blocks: int | None = _opt(
-        None, "KV cache size in blocks; wins over the byte sizes", aliases=["--num-gpu-blocks-override"]
-    )
-    kv_cache_memory: int | None = _opt(
-        None,
-        "KV cache size in bytes, e.g. 4GiB or 500M (default on CPU: 2 GiB or a "
-        "quarter of the free memory, whichever is smaller)",
-        aliases=["--kv-cache-memory-bytes"],
-        type=parse_bytes,
-    )
-    gpu_memory_utilization: float = _opt(
-        0.9, "on CUDA without a KV cache size: the share of GPU memory that model and KV cache may fill"
-    )
-    max_num_seqs: int = _opt(64, "sequences in one batch")
-    max_num_batched_tokens: int = _opt(2048, "tokens in one forward pass, the step's budget")
-    max_model_len: int | None = _opt(
-        None,
-        "tokens per sequence, prompt and output together (default: the "
-        "model's context, capped by the KV cache)",
-    )
-    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
-    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")
-    tensor_parallel_size: int = _opt(1, "ranks the model is split over (gloo on CPU, NCCL on CUDA)")
-    quantization: str | None = _opt(
-        None, "weight-only quantization of the linear layers at load: int8 or int4 (default: none)"
-    )
-    attention_backend: str = _opt(
-        "auto",
-        "decode attention: torch (the reference), c (CPU kernel), triton (CUDA kernel) or auto: triton on "
-        "CUDA, c on CPUs where it builds, else torch",
-    )
-    enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs (CUDA with triton only)")
-    seed: int = _opt(0, "seed of the sampler for requests without one")
-    log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
-
-# %% ../nbs/04_engine.ipynb #b99e8278
-def _cli_type(f: dataclasses.Field):
-    "The argparse type of a field: its `type` metadata, else the non-None part of its annotation."
-    if "type" in f.metadata:
-        return f.metadata["type"]
-    kinds = {"int": int, "float": float, "str": str, "bool": bool}
-    names = [t.strip() for t in str(f.type).split("|") if t.strip() != "None"]
-    return kinds[names[0]]
-
-
-@patch(cls_method=True)
-def add_cli_args(cls: EngineArgs, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "Add a flag per field (`--max-num-seqs`, `--[no-]enable-prefix-caching`, ...) to `parser`."
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
-            continue
-        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
-        helptext = f.metadata["help"]
-        if "default" not in helptext:
-            helptext += f" (default: {f.default})"
-        kind = _cli_type(f)
-        if kind is bool:
-            group.add_argument(
-                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
-            )
-        else:
-            group.add_argument(*names, dest=f.name, type=kind, default=f.default, help=helptext)
-    return parser
-
-
-@patch(cls_method=True)
-def from_cli_args(cls: EngineArgs, args: argparse.Namespace) -> EngineArgs:
-    "The EngineArgs in a parsed namespace (other flags are ignored)."
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'Logprob', 'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token',
+           'nucleus_rows', 'draw_tokens', 'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics',
+           'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #3c2b9506
 @dataclass
@@ -529,116 +418,6 @@ class _Request:
     def finished(self) -> bool:
         return all(t.seq.is_finished for t in self.texts)
 
-# %% ../nbs/04_engine.ipynb #352b7ae0
-@dataclass
-class FlatBatch:
-    "One step's inputs laid out flat: every new token of every scheduled sequence, prefill rows first."
-
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    sample_rows: list[int]  # [S] the row of each sampling sequence's last token
-
-    @classmethod
-    def of(cls, batch: ScheduledBatch) -> FlatBatch:
-        "Lay out the scheduled rows."
-        ids, pos, rows = [], [], []
-        for seq, n in batch.items:
-            c = seq.num_computed
-            ids += seq.token_ids[c : c + n]
-            pos += range(c, c + n)
-            if c + n == seq.num_tokens:
-                rows.append(len(ids) - 1)
-        return cls(ids, pos, rows)
-
-# %% ../nbs/04_engine.ipynb #20a8a34a
-class ModelRunner:
-    "Runs one scheduled batch through the model over the paged cache."
-
-    def __init__(
-        self,
-        model: Qwen2ForCausalLM,
-        cache: KVCache,
-        block_manager: BlockManager,
-        decoder: DecodeAttention | None = None,  # how decode rows attend; None: `default_decoder(cache)`
-        graphs: DecodeGraphs | None = None,  # CUDA graphs of pure-decode steps (09); None: always eager
-    ):
-        self.model, self.cache, self.block_manager = model, cache, block_manager
-        self.decoder, self.graphs = decoder or default_decoder(cache), graphs
-        self.device = model.lm_head.weight.device
-        self.argmax = getattr(model.lm_head, "argmax", None)  # the head's exact greedy path, if any (07)
-
-    @torch.inference_mode()
-    def sample_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
-        "Forward the batch; final hidden states [S, hidden], a row per sequence of `batch.sampling`, in turn."
-        flat = FlatBatch.of(batch)
-        self.cache.copy_blocks(self.block_manager.take_copies())
-        items = [(s.block_table, s.num_computed, n) for s, n in batch.items]
-        if self.graphs is not None and batch.num_prefill == 0 and self.graphs.bucket(len(items)):
-            return self.graphs.run(items, flat.input_ids)  # a decode step: every row samples
-        meta = PagedBatch.build(self.cache, items, batch.num_prefill, self.device, self.decoder)
-        ids = to_device(torch.tensor(flat.input_ids), self.device)  # [T]
-        pos = to_device(torch.tensor(flat.positions), self.device)  # [T]
-        hidden = self.model(ids, pos, meta)  # [T, hidden]
-        if len(flat.sample_rows) == len(flat.input_ids):
-            return hidden
-        return hidden[to_device(torch.tensor(flat.sample_rows, dtype=torch.long), self.device)]  # [S, hidden]
-
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        "Forward the batch; float32 logits [S, V], a row per sequence of `batch.sampling`, in that order."
-        hidden = self.sample_hidden(batch)
-        return self.model.compute_logits(hidden) if len(hidden) else hidden.new_zeros(0, 0)
-
-    @torch.inference_mode()
-    def run_argmax(self, batch: ScheduledBatch) -> list[int | None]:
-        "Forward the batch; the arg-max token per sequence of `batch.sampling` (None: logits not finite)."
-        hidden = self.sample_hidden(batch)
-        return self.argmax(hidden) if len(hidden) else []
-
-    def shutdown(self) -> None:
-        "Release what the runner started: nothing here (10's tensor-parallel runner stops its workers)."
-
-
-# %% ../nbs/04_engine.ipynb #52701f70
-ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
-
-
-def _has_triton() -> bool:
-    "Whether triton is installed (found without importing it)."
-    return importlib.util.find_spec("triton") is not None
-
-
-def make_decoder(name: str, cache: KVCache, max_blocks: int | None = None) -> DecodeAttention:
-    "The decode backend `name` for this cache (`max_blocks`: a fixed table width), or why it cannot run here."
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend {name!r} unknown: use one of {', '.join(ATTENTION_BACKENDS)}")
-    on_cuda = cache.k.device.type == "cuda"
-    if name == "auto":
-        name = "triton" if on_cuda and _has_triton() else default_decoder(cache).name
-    if name == "torch":
-        return DecodeAttention()
-    if name == "c":
-        if default_decoder(cache).name != "c":
-            raise ValueError(
-                f"attention_backend 'c' runs on the CPU in float32 or bfloat16 where a C compiler built it, "
-                f"not for this cache ({cache.k.dtype} on {cache.k.device}): use torch or auto"
-            )
-        return CDecode()
-    if not _has_triton():
-        raise ValueError("attention_backend 'triton' needs triton: pip install triton")
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 (tests)")
-    from minivllm.triton_attention import TritonDecode  # imports triton: only when asked for
-
-    return TritonDecode(max_blocks)
-
-
-def uses_cuda_graphs(args: EngineArgs, device: torch.device) -> bool:
-    "Whether decode steps replay from CUDA graphs: on CUDA, with the Triton backend, unless enforce_eager."
-    triton_backend = args.attention_backend in ("auto", "triton") and _has_triton()
-    return not args.enforce_eager and device.type == "cuda" and triton_backend
-
-
 # %% ../nbs/04_engine.ipynb #eecd385b
 @dataclass
 class EngineStats:
@@ -669,18 +448,6 @@ class StepRecord:
     blocks_used: int
     preempted: int
     seconds: float
-
-# %% ../nbs/04_engine.ipynb #91288ecc
-@torch.inference_mode()
-def warmup_step(model: Qwen2ForCausalLM, num_tokens: int, num_seqs: int, max_len: int) -> None:
-    "One step's forward without a paged cache: `num_tokens` tokens in prompts of `max_len` at most."
-    dev = model.lm_head.weight.device
-    lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len] * (num_tokens % max_len > 0)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)  # [num_tokens]
-    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)  # [num_tokens]: each prompt from position 0
-    meta = ContiguousKVCache(model.config.num_hidden_layers).batch(list(range(len(lens))), lens)
-    hidden = model(ids, pos, meta)  # [num_tokens, hidden]
-    model.compute_logits(hidden[-1:].expand(num_seqs, -1))  # [num_seqs, V] float32, as the sampler gets them
 
 # %% ../nbs/04_engine.ipynb #7899dea3
 class LLMEngine:
@@ -726,10 +493,8 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         "Load `args.model` (in `args.dtype` on `args.device`) and build the engine around it."
         if args.tensor_parallel_size > 1:  # the model split over ranks: 10
-            from minivllm.parallel import launch_tensor_parallel
-
             return launch_tensor_parallel(cls, args)
-        model, tokenizer = load_model(args.model, args.dtype, args.device, quantization=args.quantization)
+        model, tokenizer = load_prepared(args.model, args.dtype, args.device, args.quantization)
         return cls(model, tokenizer, args)
 
     @property
@@ -1091,29 +856,7 @@ def _log(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
         )
     )
 
-# %% ../nbs/04_engine.ipynb #aee886fc
-RELEASE_EVERY_S = 10.0  # seconds between heap trims while the engine is busy
-
-
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    "glibc's `malloc_trim`, or None where the process's C library has none."
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):
-        return None
-
-
-_MALLOC_TRIM = _find_malloc_trim()
-
-
-def release_free_memory() -> bool:
-    "Hand the C heap's free pages back to the OS; False where there is no `malloc_trim` to call."
-    if _MALLOC_TRIM is None:
-        return False
-    _MALLOC_TRIM(0)
-    return True
-
-
+# %% ../nbs/04_engine.ipynb #c9156cd4
 @patch
 def release_memory(self: LLMEngine, force: bool = False) -> bool:
     "Trim the heap if the engine is idle, if `RELEASE_EVERY_S` passed since the last trim, or if `force`."

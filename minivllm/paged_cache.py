@@ -5,12 +5,10 @@
 # %% ../nbs/02_paged_cache.ipynb #8d6e4524
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import math
 from collections import OrderedDict
-from ctypes import c_int, c_void_p
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,15 +16,13 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .cpu_kernels import PORTABLE, build_library
-from .qwen2 import Qwen2Config, causal_attention, sdpa_causal
+from .qwen2 import causal_attention, sdpa_causal, Qwen2Config
 
 # %% auto #0
-__all__ = ['DEFAULT_CPU_KV_BYTES', 'ATTN_FUNCTIONS', 'PAD_LIMIT', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
+__all__ = ['DEFAULT_CPU_KV_BYTES', 'PAD_LIMIT', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
            'check_block_invariants', 'kv_bytes_per_token', 'kv_cache_budget', 'measure_cuda_memory',
-           'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'attn_library',
-           'c_decode_supported', 'paged_decode_attention_c', 'PrefillSpan', 'PagedBatch', 'to_device',
-           'DecodeAttention', 'CDecode', 'default_decoder', 'batched_prefill']
+           'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'PrefillSpan',
+           'PagedBatch', 'to_device', 'DecodeAttention', 'batched_prefill']
 
 # %% ../nbs/02_paged_cache.ipynb #4c575ec4
 class OutOfBlocks(RuntimeError):
@@ -495,55 +491,6 @@ def padded_decode_attention(
     )  # [B, Hq, 1, D]
     return o[:, :, 0, :]
 
-# %% ../nbs/02_paged_cache.ipynb #981a243f
-ATTN_FUNCTIONS = {
-    "attn_decode": dict(
-        bf16=c_int, q=c_void_p, kp=c_void_p, vp=c_void_p, ids=c_void_p, row=c_void_p, valid=c_void_p, P=c_int,
-        B=c_int, Hq=c_int, Hkv=c_int, D=c_int, bs=c_int, out=c_void_p, threads=c_int,
-    ),
-}  # fmt: skip
-
-
-@functools.cache
-def attn_library() -> ctypes.CDLL | None:
-    "Our C library, for its decode attention (self-tested here), or None where it cannot run here."
-    return build_library("attn", PORTABLE, ATTN_FUNCTIONS)
-
-
-def c_decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    "Whether `paged_decode_attention_c` takes these: on the CPU, float32 or bfloat16 alike, head dim <= 256."
-    B, Hq, D = q.shape
-    Hkv = k_pool.shape[2]
-    shape_ok = D <= 256 and Hq % Hkv == 0 and Hq // Hkv <= 16
-    dtype_ok = q.dtype == k_pool.dtype and q.dtype in (torch.float32, torch.bfloat16)
-    return q.device.type == "cpu" and shape_ok and dtype_ok and attn_library() is not None
-
-
-def paged_decode_attention_c(
-    q: torch.Tensor,  # [B, Hq, D] one query per decoding sequence
-    k_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D]
-    v_pool: torch.Tensor,  # [num_blocks, bs, Hkv, D]
-    block_ids: torch.Tensor,  # [P] every block read, sequence after sequence
-    block_row: torch.Tensor,  # [P] the query row of each
-    valid: torch.Tensor,  # [P, bs] which slots hold context
-) -> torch.Tensor:
-    "`paged_decode_attention` in one C call (see `c_decode_supported`): [B, Hq, D]."
-    B, Hq, D = q.shape
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    ids, rows = block_ids.to(torch.int64).contiguous(), block_row.to(torch.int64).contiguous()
-    ok = valid.to(torch.bool).contiguous()  # one byte a slot
-    failed = attn_library().attn_decode(
-        q.dtype == torch.bfloat16, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), ids.data_ptr(),
-        rows.data_ptr(), ok.data_ptr(), ids.shape[0], B, Hq, k_pool.shape[2], D, k_pool.shape[1],
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if failed:
-        raise RuntimeError(
-            f"attn_decode failed ({failed}) for q {tuple(q.shape)}, pools {tuple(k_pool.shape)}"
-        )
-    return out
-
 # %% ../nbs/02_paged_cache.ipynb #106b315c
 @dataclass
 class PrefillSpan:
@@ -640,31 +587,6 @@ class DecodeAttention:
         return paged_decode_attention(q, k_pool, v_pool, meta.block_ids, meta.block_row, meta.valid)
 
 
-# %% ../nbs/02_paged_cache.ipynb #70b3b44a
-class CDecode(DecodeAttention):
-    "Decode attention in one C call a layer (`paged_decode_attention_c`), on the reference's block lists."
-
-    name = "c"
-
-    def prepare(
-        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
-    ) -> None:
-        "Block ids, their rows and valid slots: the C kernel takes a lone row like any other."
-        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
-
-    def decode(
-        self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
-    ) -> torch.Tensor:
-        "One C call: [B, Hq, D]."
-        return paged_decode_attention_c(q, k_pool, v_pool, meta.block_ids, meta.block_row, meta.valid)
-
-
-def default_decoder(cache: KVCache) -> DecodeAttention:
-    "The C kernel where it runs this cache (CPU, float32 or bfloat16, built here), else the reference."
-    q = cache.k.new_empty(1, cache.num_heads, cache.k.shape[-1])  # [1, Hq, D]: what c_decode_supported reads
-    return CDecode() if c_decode_supported(q, cache.k[0]) else DecodeAttention()
-
-
 # %% ../nbs/02_paged_cache.ipynb #f01464df
 @patch(cls_method=True)
 def build(
@@ -673,7 +595,7 @@ def build(
     items: list[tuple[BlockTable, int, int]],  # (table, num_cached_before, num_new) per sequence
     num_prefill: int,  # the first num_prefill items prefill; the rest are decode rows (num_new == 1)
     device: torch.device,
-    decoder: DecodeAttention | None = None,  # None: `default_decoder(cache)`
+    decoder: DecodeAttention | None = None,  # None: the reference, `DecodeAttention()`
 ) -> PagedBatch:
     "The metadata of one step, built once and shared by all layers."
     if not 0 <= num_prefill <= len(items):
@@ -686,7 +608,7 @@ def build(
         slots += table.slots(cached, cached + n)
     prefills = _prefill_spans(items[:num_prefill], device)
     slot_mapping = to_device(torch.tensor(slots, dtype=torch.long), device)  # [T]
-    decoder = decoder or default_decoder(cache)
+    decoder = decoder or DecodeAttention()
     meta = cls(cache, slot_mapping, prefills, len(items) - num_prefill, decoder)
     if meta.num_decode:
         decoder.prepare(meta, items[num_prefill:], device)

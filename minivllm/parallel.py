@@ -27,26 +27,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from minivllm.engine import (
+from minivllm.runner import (
     RELEASE_EVERY_S,
     EngineArgs,
     FlatBatch,
-    LLMEngine,
     ModelRunner,
     release_free_memory,
 )
 from .paged_cache import BlockManager, BlockTable, KVCache, PagedBatch
-from minivllm.qwen2 import (
-    ModelLoadError,
-    Qwen2Config,
-    Qwen2ForCausalLM,
+from .cpu_kernels import pack_linears, packing_supported
+from .qwen2 import merge_projections, ModelLoadError, Qwen2Config, Qwen2ForCausalLM
+from minivllm.weights import (
     Tokenizer,
     _iter_gguf,
     gguf_model_config,
-    merge_projections,
     open_gguf,
-    pack_linears,
-    packing_supported,
     resolve_device,
     resolve_dtype,
     resolve_model,
@@ -742,7 +737,7 @@ def loaded_as(model: nn.Module) -> dict:
     return {"layers": model.config.num_hidden_layers, "dtype": str(model.model.norm.weight.dtype)}
 
 # %% ../nbs/10_tensor_parallel.ipynb #080b5072
-def launch_tensor_parallel(engine_cls: type[LLMEngine], args: EngineArgs) -> LLMEngine:
+def launch_tensor_parallel(engine_cls: type, args: EngineArgs):  # engine_cls: LLMEngine (04)
     "An engine whose model is split over `args.tensor_parallel_size` ranks, rank 0 being this process."
     if args.quantization is not None:
         raise ValueError("quantization is not supported with tensor parallelism yet")

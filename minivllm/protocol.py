@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .engine import LLMEngine, Logprob, RequestOutput
-from .qwen2 import ChatTemplateError, Tokenizer
+from .weights import ChatTemplateError, Tokenizer
 from .scheduler import RequestTooLong, SamplingError, SamplingParams
 from .structured import StructuredOutputError, StructuredOutputsParams
 from .tool_calls import ToolCallError, ToolCallParser, check_tools, parse_tool_calls

@@ -36,7 +36,7 @@ from .protocol import PromptEncoder, ResponseBuilder, SamplingRequest, TokenizeR
 from .protocol import chat_constraint, chat_ids, chat_top_logprobs, check_token_ids, completion_ids
 from .protocol import output_constraint, parse_json, sampling_params, server_error, shutting_down
 from .protocol import ChatMessage, chat_prompt  # noqa: F401 (imported from here before 05a)
-from .qwen2 import Tokenizer
+from .weights import Tokenizer
 from .scheduler import SamplingParams
 from .structured import StructuredOutputError, StructuredOutputsParams
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
-from .qwen2 import Tokenizer
+from .weights import Tokenizer
 
 # %% auto #0
 __all__ = ['KINDS', 'ANY_OBJECT', 'MAX_WHITESPACE', 'StructuredOutputError', 'StructuredOutputsParams', 'choice_grammar',

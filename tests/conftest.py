@@ -54,7 +54,7 @@ def tiny_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tiny_folder):
     "The tiny model and its tokenizer, loaded once per test module."
-    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+    from minivllm.weights import load_safetensors_model, Tokenizer
     return load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
 
 

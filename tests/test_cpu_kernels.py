@@ -1,5 +1,5 @@
 """CPU kernels (07_cpu_kernels): int8/int4 linear layers against their dequantized float reference, kernels
-chosen per shape, `prepare_linears` and `load_model(quantization=...)` on tiny models, and `dtype="auto"`."""
+chosen per shape, `prepare_linears` and `load_prepared(quantization=...)` on tiny models, and `dtype="auto"`."""
 import ctypes
 import json
 import logging
@@ -27,16 +27,10 @@ from minivllm.cpu_kernels import (
     quantize_int4,
     quantize_int8,
 )
-from minivllm.qwen2 import (
-    ContiguousKVCache,
-    PackedLinear,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    load_model,
-    load_safetensors_model,
-    packing_supported,
-    resolve_dtype,
-)
+from minivllm.cpu_kernels import packing_supported, PackedLinear
+from minivllm.qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
+from minivllm.runner import load_prepared
+from minivllm.weights import load_safetensors_model, resolve_dtype
 
 # Float32 kernels against a float32 reference: rounding only. bfloat16 runs: bfloat16 rounding of the outputs.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -278,7 +272,7 @@ def test_shortlist_heads_argmax_is_its_scores_argmax(dtype, bias):
 
 def test_the_engine_takes_greedy_tokens_from_the_shortlist_heads_argmax(tiny_folder, monkeypatch):
     from minivllm.engine import LLMEngine, SamplingParams
-    from minivllm.qwen2 import Tokenizer
+    from minivllm.weights import Tokenizer
 
     # the head's int4 shortlists (1.0) beat its int8 kernels (9.0); a vocabulary the int4 kernel takes: 272 = 17 x 16
     fake = dict.fromkeys(("int8", "int8/bf16", "int8/onednn"), [9.0] * 4)
@@ -787,7 +781,7 @@ def test_unknown_quantization_refused(tiny_folder):
     with pytest.raises(ValueError, match="use int8 or int4"):
         prepare_linears(tiny(), "fp8")
     with pytest.raises(ValueError, match="use int8 or int4"):
-        load_model(tiny_folder, quantization="q4_k")
+        load_prepared(tiny_folder, quantization="q4_k")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -795,7 +789,7 @@ def test_load_model_quantizes_and_the_engine_runs(tiny_folder, quantization):
     from minivllm.engine import LLMEngine, SamplingParams
 
     plain = load_safetensors_model(tiny_folder, "float32", "cpu")
-    m, tok = load_model(tiny_folder, "float32", "cpu", quantization=quantization)
+    m, tok = load_prepared(tiny_folder, "float32", "cpu", quantization=quantization)
     assert rel(logits(m, IDS), logits(plain, IDS)) <= 0.15
     assert any(type(x) in (Int8Linear, Int4Linear, ck.Int8OneDNNLinear) for x in m.modules())
     eng = LLMEngine(m, tok, num_kv_blocks=16)
@@ -813,8 +807,8 @@ def test_load_model_gguf_quantized(tmp_path):
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf(0), "Q8_0")
-    plain, _ = load_model(path, "float32", "cpu", pack=False)
-    m, _ = load_model(path, "float32", "cpu", quantization="int8")
+    plain, _ = load_prepared(path, "float32", "cpu", pack=False)
+    m, _ = load_prepared(path, "float32", "cpu", quantization="int8")
     assert kinds(m.model.layers[0].mlp.gate_up_proj) <= {Int8Linear, ck.Int8OneDNNLinear}  # merged at load
     assert m.model.layers[0].mlp.up_proj is None and m.model.layers[0].self_attn.q_proj is None
     assert rel(logits(m, IDS % 256), logits(plain, IDS % 256)) <= 0.03
@@ -912,7 +906,7 @@ def greedy_engine(tiny_folder, monkeypatch=None):
     "An engine on the tiny model in float32 whose head is a `GreedyHead` (from 1 row)."
     from minivllm.engine import LLMEngine
 
-    m, tok = load_model(tiny_folder, "float32", "cpu", pack=False)
+    m, tok = load_prepared(tiny_folder, "float32", "cpu", pack=False)
     m.lm_head = ck.GreedyHead(m.lm_head)
     m.lm_head.weight = m.lm_head.inner.weight
     return LLMEngine(m, tok, num_kv_blocks=256, block_size=4)
@@ -922,7 +916,7 @@ def greedy_engine(tiny_folder, monkeypatch=None):
 def test_the_engine_takes_greedy_steps_through_the_head_and_gives_the_same_tokens(tiny_folder, monkeypatch):
     from minivllm.engine import LLMEngine, ModelRunner, SamplingParams
 
-    plain_model, tok = load_model(tiny_folder, "float32", "cpu", pack=False)
+    plain_model, tok = load_prepared(tiny_folder, "float32", "cpu", pack=False)
     eng, plain = greedy_engine(tiny_folder), LLMEngine(plain_model, tok, num_kv_blocks=256, block_size=4)
     steps = {"argmax": 0, "logits": 0}
     for name in ("run_argmax", "run"):
@@ -1048,23 +1042,23 @@ def test_load_model_keeps_its_plans_and_retime_measures_anew(tiny_folder, monkey
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     monkeypatch.delenv("MINIVLLM_RETIME", raising=False)
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        load_model(tiny_folder, "float32", "cpu")
+        load_prepared(tiny_folder, "float32", "cpu")
     assert "earlier start" not in caplog.text
     assert [p.parent.name for p in tmp_path.rglob("*.json")] == ["plans"]
     caplog.clear()
     monkeypatch.setattr(ck, "time_kernels", no_timing)
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        load_model(tiny_folder, "float32", "cpu")  # a restart: nothing timed
+        load_prepared(tiny_folder, "float32", "cpu")  # a restart: nothing timed
     assert "as measured at an earlier start on this machine" in caplog.text
     monkeypatch.setenv("MINIVLLM_RETIME", "1")
     with pytest.raises(AssertionError, match="timed although"):
-        load_model(tiny_folder, "float32", "cpu")
+        load_prepared(tiny_folder, "float32", "cpu")
     monkeypatch.undo()  # the real timing again: with MINIVLLM_RETIME every shape is measured, none read back
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("MINIVLLM_RETIME", "1")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        load_model(tiny_folder, "float32", "cpu")
+        load_prepared(tiny_folder, "float32", "cpu")
     assert "linear kernels" in caplog.text and "earlier start" not in caplog.text
 
 
@@ -1108,7 +1102,7 @@ def test_our_int4_kernels_of_one_layer_share_its_layout():
 # ----------------------------------------------------------------------------------------------------------
 # RMSNorm in C
 
-from minivllm.qwen2 import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from minivllm.qwen2 import apply_rotary, RMSNorm, RotaryEmbedding  # noqa: E402
 
 needs_norm = pytest.mark.skipif(ck.norm_library() is None, reason="no C compiler for our RMSNorm")
 
@@ -1171,7 +1165,7 @@ def test_c_rotary_hands_other_inputs_to_pytorch():
 
 @needs_norm
 def test_prepare_norms_swaps_every_norm_and_rotary_and_the_model_agrees(tiny_folder):
-    plain, _ = load_model(tiny_folder, "float32", "cpu", pack=False)  # the exact path: PyTorch's norms
+    plain, _ = load_prepared(tiny_folder, "float32", "cpu", pack=False)  # the exact path: PyTorch's norms
     assert not any(type(m) is ck.CRMSNorm for m in plain.modules())
     m = tiny()
     ref = logits(m, IDS)
@@ -1179,7 +1173,7 @@ def test_prepare_norms_swaps_every_norm_and_rotary_and_the_model_agrees(tiny_fol
     assert all(type(n) is not RMSNorm for n in m.modules())
     assert all(layer.self_attn.rotary is ck.c_rotary for layer in m.model.layers)
     assert rel(logits(m, IDS), ref) <= 1e-5
-    prepared, _ = load_model(tiny_folder, "float32", "cpu")  # the measured path: ours
+    prepared, _ = load_prepared(tiny_folder, "float32", "cpu")  # the measured path: ours
     assert sum(type(n) is ck.CRMSNorm for n in prepared.modules()) == 5
     assert [layer.self_attn.rotary for layer in plain.model.layers] == [apply_rotary] * 2
     assert [layer.self_attn.rotary for layer in prepared.model.layers] == [ck.c_rotary] * 2
@@ -1247,7 +1241,7 @@ def c_params(name: str) -> list[tuple[str, type]]:
 
 
 @pytest.mark.parametrize("functions", [ck.INT4_FUNCTIONS, ck.F32_FUNCTIONS, ck.NORM_FUNCTIONS, ck.HEAD_FUNCTIONS,
-                                       pc.ATTN_FUNCTIONS], ids=["int4", "f32", "norm", "head", "attn"])
+                                       ck.ATTN_FUNCTIONS], ids=["int4", "f32", "norm", "head", "attn"])
 def test_ctypes_tables_are_the_c_signatures(functions):
     "ctypes cannot read C: each table of what Python passes names and types the C parameters, in order."
     for name, params in functions.items():

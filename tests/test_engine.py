@@ -18,7 +18,8 @@ from transformers import Qwen2ForCausalLM as HFModel
 
 from minivllm.engine import (LLM, LLMEngine, Sampler, apply_penalties, detokenize_incrementally, draw_token, filter_logits,
                              nucleus)
-from minivllm.qwen2 import ContiguousKVCache, Qwen2Config, Tokenizer, load_safetensors_model
+from minivllm.qwen2 import ContiguousKVCache, Qwen2Config
+from minivllm.weights import load_safetensors_model, Tokenizer
 from minivllm.scheduler import RequestTooLong, SamplingError, SamplingParams, Sequence
 
 LOGIT_TOL = 1e-4  # float32: logprobs / logits, ours vs a direct forward
@@ -607,7 +608,7 @@ BUNDLED_GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 @pytest.fixture(scope="module")
 def bundled():
-    from minivllm.qwen2 import load_model
+    from minivllm.weights import load_model
     model, tok = load_model(None, dtype="float32", device="cpu")
     return model, tok
 

@@ -426,13 +426,13 @@ def test_paged_decode_attention_matches_padded_and_naive(lens, block_size, hkv, 
     assert (ours.double() - ref).abs().max() <= ATTN_TOL
     assert (ref_pad.double() - ref).abs().max() <= ATTN_TOL
     assert (ours - ref_pad).abs().max() <= ATTN_TOL
-    if pc.attn_library() is not None:  # our C kernel: the same attention, float32 sums in another order
-        in_c = pc.paged_decode_attention_c(q, k_pool, v_pool, ids, rows, valid)
+    if ck.attn_library() is not None:  # our C kernel: the same attention, float32 sums in another order
+        in_c = ck.paged_decode_attention_c(q, k_pool, v_pool, ids, rows, valid)
         assert in_c.shape == q.shape and in_c.dtype == torch.float32
         assert (in_c.double() - ref).abs().max() <= ATTN_TOL
 
 
-HAS_C = pytest.mark.skipif(pc.attn_library() is None, reason="no C compiler here: no C decode attention")
+HAS_C = pytest.mark.skipif(ck.attn_library() is None, reason="no C compiler here: no C decode attention")
 
 
 def scattered_decode(lens, bs, hkv, hq, d, seed=0):
@@ -457,7 +457,7 @@ def test_c_decode_attention_in_both_dtypes(dtype, shape):
     q, kp, vp, ids, rows, valid = scattered_decode([1, 17, 300, 64, 5], 16, hkv, hq, d, seed=hq)
     args = (q.to(dtype), kp.to(dtype), vp.to(dtype), ids, rows, valid)
     exact = paged_decode_attention(*(a.double() for a in args[:3]), ids, rows, valid)
-    got = pc.paged_decode_attention_c(*args)
+    got = ck.paged_decode_attention_c(*args)
     assert got.dtype == dtype and got.shape == q.shape
     torch_err = (paged_decode_attention(*args).double() - exact).abs().max()
     tol = 1e-5 if dtype == torch.float32 else 2 * torch_err  # bfloat16: rounded once at the end, sums in float32
@@ -475,14 +475,14 @@ def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = torch.randn(2, H, D), torch.randn(2, Hkv, D), torch.randn(2, Hkv, D)
     calls = []
-    c_kernel = pc.paged_decode_attention_c
-    monkeypatch.setattr(pc, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
+    c_kernel = ck.paged_decode_attention_c
+    monkeypatch.setattr(ck, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
     got = meta.attend(0, q, k, v)
     assert calls == [1]
-    assert pc.c_decode_supported(q, kv.k[0]) and not pc.c_decode_supported(q.half(), kv.k[0].half())  # float16: PyTorch's
+    assert ck.c_decode_supported(q, kv.k[0]) and not ck.c_decode_supported(q.half(), kv.k[0].half())  # float16: PyTorch's
     assert meta.decoder.name == "c"
-    monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: the PyTorch path
-    assert not pc.c_decode_supported(q, kv.k[0])
+    monkeypatch.setattr(ck, "attn_library", lambda: None)  # where it cannot be built: the PyTorch path
+    assert not ck.c_decode_supported(q, kv.k[0])
     meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU)
     assert meta.decoder.name == "torch"
     assert (meta.attend(0, q, k, v) - got).abs().max() <= ATTN_TOL and calls == [1]
@@ -501,12 +501,12 @@ def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypa
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = (torch.randn(1, h, D, dtype=dtype) for h in (H, Hkv, Hkv))
     calls, sdpa = [], []
-    c_kernel, causal = pc.paged_decode_attention_c, pc.causal_attention
-    monkeypatch.setattr(pc, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
+    c_kernel, causal = ck.paged_decode_attention_c, pc.causal_attention
+    monkeypatch.setattr(ck, "paged_decode_attention_c", lambda *a: calls.append(1) or c_kernel(*a))
     monkeypatch.setattr(pc, "causal_attention", lambda *a: sdpa.append(1) or causal(*a))
     got = meta.attend(0, q, k, v)
     assert calls == [1] and sdpa == []  # one C call, no gather
-    monkeypatch.setattr(pc, "attn_library", lambda: None)  # where it cannot be built: one gather, one SDPA call
+    monkeypatch.setattr(ck, "attn_library", lambda: None)  # where it cannot be built: one gather, one SDPA call
     meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU)
     assert meta.decoder.name == "torch" and meta.lone_context is not None
     want = meta.attend(0, q, k, v)
@@ -518,7 +518,7 @@ def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypa
 @HAS_C
 def test_c_decode_self_test_turns_down_a_wrong_build(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-    pc.attn_library.cache_clear()
+    ck.attn_library.cache_clear()
     try:
         src = tmp_path / "csrc"  # our C sources, copied, with the self-test's reference scale wrong
         shutil.copytree(ck.CSRC, src)
@@ -526,15 +526,15 @@ def test_c_decode_self_test_turns_down_a_wrong_build(monkeypatch, tmp_path, capl
         (src / "attention.c").write_text(right.replace("kp[at + d] / 4.0;", "kp[at + d] / 3.0;"))
         assert (src / "attention.c").read_text() != right
         monkeypatch.setattr(ck, "CSRC", src)
-        assert pc.attn_library() is None and "self-test failed" in caplog.text
+        assert ck.attn_library() is None and "self-test failed" in caplog.text
         assert "attn:c" not in ck.passed_selftests(ck.c_library(ck.c_compiler()))  # tried again next start
         monkeypatch.undo()
         monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-        pc.attn_library.cache_clear()
-        assert pc.attn_library() is not None
+        ck.attn_library.cache_clear()
+        assert ck.attn_library() is not None
         assert "attn:c" in ck.passed_selftests(ck.c_library(ck.c_compiler()))
     finally:
-        pc.attn_library.cache_clear()
+        ck.attn_library.cache_clear()
 
 
 def test_paged_batch_build_decode_metadata():
@@ -782,7 +782,7 @@ BUNDLED_LOGIT_TOL = 2e-4  # float32, 24 layers: ours vs transformers on the same
 
 @pytest.fixture(scope="module")
 def bundled_pair():
-    from minivllm.qwen2 import bundled_model_folder, load_model
+    from minivllm.weights import bundled_model_folder, load_model
     model, tok = load_model(None, dtype="float32", device="cpu")
     hf = HFQwen2ForCausalLM.from_pretrained(bundled_model_folder(), dtype=torch.float32).eval()
     yield model, tok, hf
@@ -896,7 +896,7 @@ def test_kv_memory_is_sized_like_vllm_with_the_cuda_calls_faked():
 
 def test_a_pool_too_small_for_max_model_len_names_the_numbers(tiny_folder):
     from minivllm.engine import LLMEngine
-    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+    from minivllm.weights import load_safetensors_model, Tokenizer
 
     model, tok = load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
     with pytest.raises(ValueError, match=r"max_model_len=400 is more than the KV cache holds \(8 blocks x 16 tokens"):
@@ -916,7 +916,7 @@ def fake_gpu_engines(monkeypatch, fake: FakeCuda, folder):
     import weakref
 
     import minivllm.engine as engine_module
-    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+    from minivllm.weights import load_safetensors_model, Tokenizer
 
     real, warmups = engine_module.num_kv_blocks_for, []
 
@@ -976,7 +976,7 @@ def test_two_engines_alive_each_with_a_budget(monkeypatch, tiny_folder):
 
 def test_a_budget_too_small_for_max_model_len_names_the_numbers(monkeypatch, tiny_folder):
     from minivllm.engine import LLMEngine
-    from minivllm.qwen2 import Tokenizer, load_safetensors_model
+    from minivllm.weights import load_safetensors_model, Tokenizer
 
     model, tok = load_safetensors_model(tiny_folder), Tokenizer.from_folder(tiny_folder)
     too_small = (r"max_model_len=400 needs 25 blocks \(204,800 bytes\), but the KV cache budget "

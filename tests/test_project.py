@@ -73,7 +73,8 @@ def test_index_links_every_notebook():
     missing = [nb.name for nb in sorted((ROOT / "nbs").glob("[0-9]*.ipynb")) if f"(nbs/{nb.name})" not in index]
     assert not missing, f"index.ipynb's notebook map has no link to {missing}"
 
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+           "seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three twenty-four").split()
 
 def test_index_counts_the_notebooks():
     count = len(list((ROOT / "nbs").glob("[0-9]*.ipynb")))
@@ -187,7 +188,7 @@ import json, sys
 from pathlib import Path
 import torch, transformers
 from tokenizers import Tokenizer, models
-import minivllm, minivllm.qwen2 as qwen2
+import minivllm, minivllm.qwen2 as qwen2, minivllm.weights as weights
 
 venv, folder = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
 cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -196,7 +197,7 @@ torch.manual_seed(0)
 hf = transformers.Qwen2ForCausalLM(cfg).eval()
 hf.save_pretrained(folder)
 Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")).save(str(folder / "tokenizer.json"))
-model, tokenizer = qwen2.load_model(folder, dtype=torch.float32, device="cpu")
+model, tokenizer = weights.load_model(folder, dtype=torch.float32, device="cpu")
 ours = qwen2.greedy_generate(model, [[1, 2, 3]], 5)
 ref = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, min_new_tokens=5)[0, 3:].tolist()
 print(json.dumps({"file": minivllm.__file__, "in_venv": Path(minivllm.__file__).resolve().is_relative_to(venv),

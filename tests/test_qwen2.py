@@ -17,13 +17,14 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import minivllm.qwen2 as qwen2
+import minivllm.weights as weights
+import minivllm.cpu_kernels as cpu_kernels
+import minivllm.utils as utils
 from minivllm.cpu_kernels import RowBuckets, kernels_of
-from minivllm.qwen2 import (
-    ContiguousKVCache,
-    ModelLoadError,
-    Qwen2Config,
+from minivllm.qwen2 import ContiguousKVCache, ModelLoadError, Qwen2Config, UnsupportedArchitecture
+from minivllm.runner import load_prepared
+from minivllm.weights import (
     Tokenizer,
-    UnsupportedArchitecture,
     convert_gguf_to_folder,
     load_gguf_model,
     load_model,
@@ -551,7 +552,7 @@ def test_gguf_convert_to_folder(ids, tmp_path):
     model, tok = load_model(folder, dtype="float32", device="cpu")
     assert model.config.tie_word_embeddings
     assert max_diff(our_logits(model, ids), hf_logits(hf, ids)) <= LOGIT_TOL
-    g_tok = Tokenizer.from_gguf(qwen2.open_gguf(tmp_path / "tiny.gguf"))
+    g_tok = Tokenizer.from_gguf(weights.open_gguf(tmp_path / "tiny.gguf"))
     for s in CORPUS:
         assert tok.encode(s) == g_tok.encode(s)
     assert tok.chat_template == TINY_TEMPLATE and tok.eos_token_ids == g_tok.eos_token_ids == [VOCAB - 3]
@@ -559,7 +560,7 @@ def test_gguf_convert_to_folder(ids, tmp_path):
 
 def test_gguf_folder_with_one_file_resolves(tmp_path):
     write_gguf(tmp_path / "tiny.gguf", tiny_hf(0), "F32")
-    assert qwen2.resolve_model(tmp_path) == tmp_path / "tiny.gguf"
+    assert weights.resolve_model(tmp_path) == tmp_path / "tiny.gguf"
     model, tok = load_model(tmp_path, dtype="float32", device="cpu")
     assert tok.eos_token_ids == [tok.tok.token_to_id("<|im_end|>")]
 
@@ -712,7 +713,7 @@ CORPUS = [
 def tiny_tokenizers(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     write_gguf(d / "tiny.gguf", tiny_hf(0), "F32")
-    return Tokenizer.from_gguf(qwen2.open_gguf(d / "tiny.gguf")), AutoTokenizer.from_pretrained(
+    return Tokenizer.from_gguf(weights.open_gguf(d / "tiny.gguf")), AutoTokenizer.from_pretrained(
         d, gguf_file="tiny.gguf"
     )
 
@@ -739,7 +740,7 @@ def test_tiny_chat_template(tiny_tokenizers):
     )
     print(f"tiny chat template text identical to transformers: {ok}/{len(convs)}")
     assert ok == len(convs)
-    with pytest.raises(qwen2.ChatTemplateError, match="unknown role narrator"):
+    with pytest.raises(weights.ChatTemplateError, match="unknown role narrator"):
         ours.apply_chat_template([{"role": "narrator", "content": "x"}])
 
 
@@ -857,29 +858,29 @@ def test_assemble_checksum_and_permissions(tmp_path, monkeypatch):
     monkeypatch.setattr(qwen2, "BUNDLED_SHA256", hashlib.sha256(payload).hexdigest())
     parts = _fake_parts(tmp_path, payload)
     monkeypatch.setattr(qwen2, "_bundled_parts", lambda: parts)
-    dest = qwen2.cache_dir() / "bundled" / f"{qwen2.BUNDLED_NAME}.gguf"
+    dest = utils.cache_dir() / "bundled" / f"{weights.BUNDLED_NAME}.gguf"
     # one flipped byte: refused, with both checksums and the path in the message; nothing left in the cache
     good = parts[3].read_bytes()
     parts[3].write_bytes(good[:10] + bytes([good[10] ^ 1]) + good[11:])
     with pytest.raises(ModelLoadError, match="sha256") as e:
-        qwen2.assemble_bundled_gguf()
-    assert qwen2.BUNDLED_SHA256 in str(e.value)
+        weights.assemble_bundled_gguf()
+    assert weights.BUNDLED_SHA256 in str(e.value)
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
     # a missing part: also nothing left
     parts[3].write_bytes(good[:-1])
     with pytest.raises(ModelLoadError):
-        qwen2.assemble_bundled_gguf()
+        weights.assemble_bundled_gguf()
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
     # the right bytes: assembled, readable by everyone (mkstemp alone gives 0600)
     parts[3].write_bytes(good)
-    assert qwen2.assemble_bundled_gguf() == dest and dest.read_bytes() == payload
+    assert weights.assemble_bundled_gguf() == dest and dest.read_bytes() == payload
     assert stat.S_IMODE(dest.stat().st_mode) == 0o644
     assert [p.name for p in dest.parent.iterdir()] == [dest.name]
 
 
 def _real_parts():
     try:
-        return qwen2._bundled_parts()
+        return weights._bundled_parts()
     except ModelLoadError:
         return None
 
@@ -900,12 +901,12 @@ def test_bundled_parts_flipped_byte(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE", str(cache))
     with pytest.raises(
         ModelLoadError,
-        match=f"sha256 .*expected {qwen2.BUNDLED_SIZE:,} bytes with sha256 {qwen2.BUNDLED_SHA256}",
+        match=f"sha256 .*expected {weights.BUNDLED_SIZE:,} bytes with sha256 {weights.BUNDLED_SHA256}",
     ) as e:
-        qwen2.bundled_model_folder()
+        weights.bundled_model_folder()
     print(e.value)
     assert [p for p in cache.rglob("*") if p.is_file()] == []
-    assert not (cache / "bundled" / qwen2.BUNDLED_NAME).exists()
+    assert not (cache / "bundled" / weights.BUNDLED_NAME).exists()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -915,12 +916,12 @@ def test_bundled_parts_flipped_byte(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def bundled():
     "(our tokenizer from the GGUF, ours from the converted folder, transformers' from the GGUF, the reader)."
-    gguf_path = qwen2.assemble_bundled_gguf()
-    folder = qwen2.bundled_model_folder()
+    gguf_path = weights.assemble_bundled_gguf()
+    folder = weights.bundled_model_folder()
     hf_tok = AutoTokenizer.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name
     )  # ~25 s: once per module
-    reader = qwen2.open_gguf(gguf_path)
+    reader = weights.open_gguf(gguf_path)
     return Tokenizer.from_gguf(reader), Tokenizer.from_folder(folder), hf_tok, reader
 
 
@@ -1005,7 +1006,7 @@ def test_bundled_chat_template(bundled):
 # oneDNN prepacked weights (the CPU default of load_model where oneDNN supports the dtype)
 
 needs_packing = pytest.mark.skipif(
-    not qwen2.packing_supported(torch.float32), reason="oneDNN packing unavailable"
+    not cpu_kernels.packing_supported(torch.float32), reason="oneDNN packing unavailable"
 )
 
 
@@ -1015,7 +1016,7 @@ def test_packed_model_matches_transformers(name, ids, tmp_path):
     hf = tiny_hf(11, **TINY_CONFIGS[name])
     hf.save_pretrained(tmp_path)
     packed, plain = load_safetensors_model(tmp_path), load_safetensors_model(tmp_path)
-    n = qwen2.pack_linears(packed)
+    n = cpu_kernels.pack_linears(packed)
     assert n == 7 * hf.config.num_hidden_layers + 1
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
     ref = hf_logits(hf, ids)
@@ -1027,20 +1028,20 @@ def test_packed_model_matches_transformers(name, ids, tmp_path):
 
 
 @needs_packing
-def test_load_model_measures_by_default_pack_true_packs_pack_false_keeps_linear(tmp_path):
+def test_load_prepared_measures_by_default_pack_true_packs_pack_false_keeps_linear(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf(0), "F32")
-    measured, _ = load_model(path, dtype="float32", device="cpu")
-    packed, _ = load_model(path, dtype="float32", device="cpu", pack=True)
-    plain, _ = load_model(path, dtype="float32", device="cpu", pack=False)
-    assert type(packed.lm_head) is RowBuckets and {type(k) for k in kernels_of(packed.lm_head)} == {qwen2.PackedLinear}
+    measured, _ = load_prepared(path, dtype="float32", device="cpu")
+    packed, _ = load_prepared(path, dtype="float32", device="cpu", pack=True)
+    plain, _ = load_prepared(path, dtype="float32", device="cpu", pack=False)
+    assert type(packed.lm_head) is RowBuckets and {type(k) for k in kernels_of(packed.lm_head)} == {cpu_kernels.PackedLinear}
     assert type(plain.lm_head) is torch.nn.Linear
-    assert {type(k) for k in kernels_of(measured.lm_head)} <= {qwen2.PackedLinear, torch.nn.Linear}
+    assert {type(k) for k in kernels_of(measured.lm_head)} <= {cpu_kernels.PackedLinear, torch.nn.Linear}
     assert measured.lm_head.weight.dtype == torch.float32 and measured.lm_head.weight.device.type == "cpu"
-    if not qwen2.packing_supported(torch.bfloat16):
+    if not cpu_kernels.packing_supported(torch.bfloat16):
         with pytest.raises(ValueError, match="oneDNN cannot pack bfloat16"):
-            load_model(path, dtype="bfloat16", device="cpu", pack=True)
-        m, _ = load_model(path, dtype="bfloat16", device="cpu")
+            load_prepared(path, dtype="bfloat16", device="cpu", pack=True)
+        m, _ = load_prepared(path, dtype="bfloat16", device="cpu")
         assert type(m.lm_head) is torch.nn.Linear
 
 
@@ -1049,12 +1050,12 @@ def test_packing_refuses_non_cpu_or_unsupported_gracefully():
     with torch.device("meta"):
         meta = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="oneDNN cannot pack"):
-        qwen2.pack_linears(meta)
-    assert qwen2.pack_linears(torch.nn.Sequential(torch.nn.ReLU())) == 0
-    if qwen2.packing_supported(torch.float32):
+        cpu_kernels.pack_linears(meta)
+    assert cpu_kernels.pack_linears(torch.nn.Sequential(torch.nn.ReLU())) == 0
+    if cpu_kernels.packing_supported(torch.float32):
         x = torch.randn(3, 5, 4)
         ref = m(x)
-        assert qwen2.pack_linears(m) == 1 and torch.allclose(m(x), ref, atol=1e-5)
+        assert cpu_kernels.pack_linears(m) == 1 and torch.allclose(m(x), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -1065,13 +1066,13 @@ def test_packing_refuses_non_cpu_or_unsupported_gracefully():
 )
 def test_dtype_rule_on_gpus_of_each_capability(monkeypatch, cap, auto, bf16):
     # is_bf16_supported() answers True on a T4 (emulation): the rule reads the capability instead
-    from minivllm.qwen2 import resolve_dtype
+    from minivllm.weights import resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    from minivllm.qwen2 import resolve_device
+    from minivllm.weights import resolve_device
 
     gpu = resolve_device(None)
     assert gpu.type == "cuda"

@@ -17,7 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.engine import LLMEngine
-from minivllm.qwen2 import load_model
+from minivllm.weights import load_model
 from minivllm.server import AsyncEngine, BackgroundServer, available_cores, build_app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from minivllm.engine import LLMEngine
-from minivllm.qwen2 import load_model
+from minivllm.weights import load_model
 from minivllm.server import BackgroundServer, build_app
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from minivllm.qwen2 import Tokenizer
+from minivllm.weights import Tokenizer
 from minivllm.structured import (
     GrammarState,
     StructuredOutputError,
@@ -248,7 +248,7 @@ def test_state_accept_finish_and_fork(so, byte_tok):
 
 @pytest.fixture(scope="module")
 def real_so() -> StructuredOutputs:
-    from minivllm.qwen2 import load_model
+    from minivllm.weights import load_model
 
     model, tok = load_model(None)
     return StructuredOutputs(tok, model.config.vocab_size)

@@ -222,7 +222,7 @@ def test_tool_history_renders_through_the_template(server):
 
 @pytest.mark.slow
 def test_qwen_template_writes_past_calls_as_json():
-    from minivllm.qwen2 import Tokenizer, bundled_model_folder
+    from minivllm.weights import bundled_model_folder, Tokenizer
     from minivllm.server import ChatMessage, chat_prompt
     tok = Tokenizer.from_folder(bundled_model_folder())
     history = [{"role": "user", "content": "Weather in Oslo?"},

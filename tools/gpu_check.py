@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from minivllm import engine as engine_module  # noqa: E402
 from minivllm.bench import BenchRequest, machine_info, run_hf, run_ours  # noqa: E402
 from minivllm.engine import EngineArgs, LLMEngine, SamplingParams, parse_bytes  # noqa: E402
-from minivllm.qwen2 import load_model  # noqa: E402
+from minivllm.weights import load_model  # noqa: E402
 
 T0 = time.perf_counter()
 # cheap ones first
