@@ -1483,7 +1483,7 @@ def check_quantization(quantization: str | None) -> None:
 def prepare_model(
     model: Qwen2ForCausalLM, quantization: str | None = None, pack: bool | None = None
 ) -> Qwen2ForCausalLM:
-    "The CPU's kernels put into a plain model, in place (`pack`: True oneDNN, False `nn.Linear`, None measure)."
+    "The CPU's kernels put into a plain model, in place (`pack`: True oneDNN, False nn.Linear, None measure)."
     check_quantization(quantization)
     on_cpu = model.lm_head.weight.device.type == "cpu"
     if quantization is not None and not on_cpu:
