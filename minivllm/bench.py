@@ -32,6 +32,7 @@ from .engine import EngineArgs, LLMEngine, SamplingParams
 from .qwen2 import Qwen2Config, Qwen2ForCausalLM
 from .runner import load_prepared
 from .weights import Tokenizer, assemble_bundled_gguf, load_model, resolve_model
+from .utils import free_port
 
 # %% auto #0
 __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
@@ -931,15 +932,6 @@ def serve_runs(
     return records, rows
 
 # %% ../nbs/06_benchmarks.ipynb #df818c0d
-def _free_port() -> int:
-    "A TCP port on the loopback that nothing listens on now."
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _timed_one(run: ServerRun, model: str, prompt: str, max_tokens: int) -> tuple[list[dict], float]:
     "One request, alone, to `run`'s server: its result and its seconds."
     return asyncio.run(
@@ -1313,7 +1305,7 @@ def _per_concurrency(values: list[int], concurrency: list[int], flag: str) -> di
 # %% ../nbs/06_benchmarks.ipynb #f1d5c544
 def _llama_run(a: argparse.Namespace, slots: int, concurrencies: list[int]) -> ServerRun:
     "llama-server with `slots` slots on the GGUF of `--gguf` (default: the bundled model's), on a fresh port."
-    port, gguf = _free_port(), a.gguf or assemble_bundled_gguf()
+    port, gguf = free_port(), a.gguf or assemble_bundled_gguf()
     cmd = llama_server_cmd(a.llama_server, gguf, port, slots, a.ctx_per_slot, a.threads)
     fields = {"engine": "llama.cpp", "slots": slots, "threads": a.threads, "mode": None}
     return ServerRun(f"llama.cpp -np {slots}", cmd, f"http://127.0.0.1:{port}/v1", concurrencies, fields)
@@ -1328,7 +1320,7 @@ def _server_runs(a: argparse.Namespace, modes: list[Mode], args: EngineArgs) -> 
     for n, cs in slots.items() if a.llama_server else ():  # no llama-server given: ours only
         runs.append(_llama_run(a, n, cs))
     for mode in modes:
-        port = _free_port()
+        port = free_port()
         cmd = ours_server_cmd(mode, port, engine_flags(args))
         fields = {
             "engine": "mini-vLLM",

@@ -27,14 +27,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
+from .cpu_kernels import default_decoder
 from minivllm.runner import (
+    forward_flat,
     RELEASE_EVERY_S,
     EngineArgs,
     FlatBatch,
     ModelRunner,
     release_free_memory,
 )
-from .paged_cache import BlockManager, BlockTable, KVCache, PagedBatch
+from .paged_cache import BlockManager, BlockTable, DecodeAttention, KVCache, PagedBatch
 from .cpu_kernels import pack_linears, packing_supported
 from .qwen2 import merge_projections, ModelLoadError, Qwen2Config, Qwen2ForCausalLM
 from minivllm.weights import (
@@ -47,6 +49,7 @@ from minivllm.weights import (
     resolve_model,
     safetensors_files,
 )
+from .utils import free_port
 
 # %% auto #0
 __all__ = ['SHARD_RULES', 'COLLECTIVE_TIMEOUT', 'IDLE_TIMEOUT', 'JOIN_TIMEOUT', 'SPAWN_HINT', 'split_evenly', 'ShardPlan',
@@ -398,18 +401,14 @@ class StepInputs:
 
 # %% ../nbs/10_tensor_parallel.ipynb #3eca6341
 @torch.inference_mode()
-def run_step(model: Qwen2ForCausalLM, cache: KVCache, step: StepInputs, device: torch.device):
-    "One step on one rank: copy-on-write, the rank's attention metadata, forward; logits [S, V] on rank 0."
+def run_step(model: Qwen2ForCausalLM, cache: KVCache, step: StepInputs, decoder: DecodeAttention):
+    "One step on one rank: copy-on-write, then the runner's forward (03a); logits [S, V] on rank 0."
     cache.copy_blocks(step.copies)
     bs = cache.block_size
     items = [(BlockTable(bs, blocks, c + n), c, n) for blocks, c, n in step.items]
-    meta = PagedBatch.build(cache, items, step.num_prefill, device)
-    ids = torch.tensor(step.input_ids, device=device)  # [T]
-    pos = torch.tensor(step.positions, device=device)  # [T]
-    hidden = model(ids, pos, meta)  # [T, hidden]
-    if not step.sample_rows:
-        return hidden.new_zeros(0, 0)
-    return model.compute_logits(hidden[torch.tensor(step.sample_rows, device=device)])  # [S, V] or None
+    flat = FlatBatch(step.input_ids, step.positions, step.sample_rows)
+    hidden = forward_flat(model, cache, items, step.num_prefill, flat, decoder)  # [S, hidden]
+    return model.compute_logits(hidden) if len(hidden) else hidden.new_zeros(0, 0)  # [S, V] or None
 
 # %% ../nbs/10_tensor_parallel.ipynb #024351a7
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a live but stuck peer; a dead one is noticed at once
@@ -426,12 +425,6 @@ def rank_device(device: str | None, local_rank: int) -> torch.device:
 def _threads_per_rank(device: torch.device, ranks_here: int) -> int | None:
     "Torch threads for each of `ranks_here` ranks sharing this machine's cores (None on CUDA: leave them)."
     return max(1, (os.cpu_count() or 1) // ranks_here) if device.type == "cpu" else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 # %% ../nbs/10_tensor_parallel.ipynb #1a2817fc
 def _init_groups(rank: int, world_size: int, device: torch.device, store=None) -> TPGroup:
@@ -456,7 +449,7 @@ SPAWN_HINT = (
 def _spawn_workers(args: EngineArgs, device: torch.device) -> TPGroup:
     "Start ranks 1..N-1 as processes on this machine and join them; rank 0's group."
     n = args.tensor_parallel_size
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, n, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     threads = _threads_per_rank(device, n)
     ctx = multiprocessing.get_context("spawn")
@@ -619,8 +612,9 @@ def serve(model: ShardedQwen2ForCausalLM, group: TPGroup) -> None:
         if kind == "cache":
             num_blocks, block_size = payload
             cache = KVCache(model.config, num_blocks, block_size, w.dtype, group.device)
+            decoder = default_decoder(cache)  # what rank 0's `auto` takes (03a)
         elif kind == "step":
-            run_step(model, cache, payload, group.device)
+            run_step(model, cache, payload, decoder)
             if time.monotonic() - released_at >= RELEASE_EVERY_S:
                 release_free_memory()
                 released_at = time.monotonic()
@@ -706,7 +700,7 @@ class TPModelRunner(ModelRunner):
         try:
             self.group.check_workers()
             self.group.broadcast(("step", step))
-            return run_step(self.model, self.cache, step, self.device)
+            return run_step(self.model, self.cache, step, self.decoder)
         except BaseException as e:
             self.group.close(f"a step failed: {type(e).__name__}: {e}")
             raise

@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
     from minivllm.cuda_graphs import DecodeGraphs
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'FlatBatch', 'ModelRunner', 'make_decoder',
-           'uses_cuda_graphs', 'load_prepared', 'warmup_step', 'release_free_memory']
+__all__ = ['ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'FlatBatch', 'forward_flat', 'ModelRunner',
+           'make_decoder', 'uses_cuda_graphs', 'load_prepared', 'warmup_step', 'release_free_memory']
 
 # %% ../nbs/03a_runner.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -167,6 +167,26 @@ class FlatBatch:
                 rows.append(len(ids) - 1)
         return cls(ids, pos, rows)
 
+# %% ../nbs/03a_runner.ipynb #cd54ce80
+@torch.inference_mode()
+def forward_flat(
+    model: Qwen2ForCausalLM,
+    cache: KVCache,
+    items: list[tuple],  # (block table, tokens cached, new tokens) per sequence, prefills first
+    num_prefill: int,
+    flat: FlatBatch,
+    decoder: DecodeAttention,
+) -> torch.Tensor:
+    "The model over one flat batch: final hidden states [S, hidden] at `flat.sample_rows`, in order."
+    device = model.lm_head.weight.device
+    meta = PagedBatch.build(cache, items, num_prefill, device, decoder)
+    ids = to_device(torch.tensor(flat.input_ids), device)  # [T]
+    pos = to_device(torch.tensor(flat.positions), device)  # [T]
+    hidden = model(ids, pos, meta)  # [T, hidden]
+    if len(flat.sample_rows) == len(flat.input_ids):
+        return hidden
+    return hidden[to_device(torch.tensor(flat.sample_rows, dtype=torch.long), device)]  # [S, hidden]
+
 # %% ../nbs/03a_runner.ipynb #20a8a34a
 class ModelRunner:
     "Runs one scheduled batch through the model over the paged cache."
@@ -192,13 +212,7 @@ class ModelRunner:
         items = [(s.block_table, s.num_computed, n) for s, n in batch.items]
         if self.graphs is not None and batch.num_prefill == 0 and self.graphs.bucket(len(items)):
             return self.graphs.run(items, flat.input_ids)  # a decode step: every row samples
-        meta = PagedBatch.build(self.cache, items, batch.num_prefill, self.device, self.decoder)
-        ids = to_device(torch.tensor(flat.input_ids), self.device)  # [T]
-        pos = to_device(torch.tensor(flat.positions), self.device)  # [T]
-        hidden = self.model(ids, pos, meta)  # [T, hidden]
-        if len(flat.sample_rows) == len(flat.input_ids):
-            return hidden
-        return hidden[to_device(torch.tensor(flat.sample_rows, dtype=torch.long), self.device)]  # [S, hidden]
+        return forward_flat(self.model, self.cache, items, batch.num_prefill, flat, self.decoder)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:

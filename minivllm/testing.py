@@ -5,14 +5,20 @@
 # %% ../nbs/01a_testing.ipynb #949b038a
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 from transformers import Qwen2Config as HFQwen2Config
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
 from .qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
 
 # %% auto #0
-__all__ = ['TINY', 'tiny_hf', 'ours_from', 'logits', 'tiny_folder']
+__all__ = ['TINY', 'CHAT_TEMPLATE', 'tiny_hf', 'ours_from', 'logits', 'tiny_folder', 'byte_tokenizer', 'tiny_chat_folder']
 
 # %% ../nbs/01a_testing.ipynb #82199609
 TINY = dict(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -52,3 +58,38 @@ def tiny_folder(folder, seed: int = 0, **kw):
     hf = tiny_hf(seed, **kw)
     hf.save_pretrained(folder, safe_serialization=True)
     return hf
+
+# %% ../nbs/01a_testing.ipynb #82a47c41
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> HFTokenizer:
+    "A byte-level BPE tokenizer with no merges (one token per byte) and Qwen's special tokens."
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    return tok
+
+
+def tiny_chat_folder(folder: str | Path | None = None, seed: int = 0, sharp: bool = False) -> Path:
+    "A tiny random Qwen2 with `byte_tokenizer` and `CHAT_TEMPLATE` as a folder (None: a new temporary one)."
+    d = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="tiny-chat-"))
+    torch.manual_seed(seed)
+    tok = byte_tokenizer()
+    cfg = dict(TINY, vocab_size=tok.get_vocab_size(), num_key_value_heads=2, max_position_embeddings=512)
+    hf = HFQwen2ForCausalLM(HFQwen2Config(**cfg, rope_theta=10000.0))
+    if sharp:  # non-zero biases and a sharper next-token distribution than the default init gives
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+            hf.lm_head.weight.normal_(0, 0.2)
+    hf.save_pretrained(d)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return d

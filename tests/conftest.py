@@ -1,5 +1,4 @@
 "Shared test helpers: the `slow` marker and a tiny random model folder."
-import json
 import os
 from pathlib import Path
 
@@ -19,30 +18,10 @@ def pytest_configure(config):
 
 
 def tiny_model_folder(d: Path, seed: int = 0, sharp: bool = False) -> Path:
-    """A tiny random Qwen2 (2 layers, hidden 64, context 512) saved by transformers, with a byte-level tokenizer (one
-    token per byte: CJK and emoji always span tokens) and a chat template. `sharp`: non-zero biases and a sharper
-    next-token distribution than the default init gives."""
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    tok = HFTok(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, rope_theta=10000.0))
-    if sharp:
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if name.endswith("bias"): p.normal_(0, 0.1)
-            hf.lm_head.weight.normal_(0, 0.2)
-    hf.save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    tmpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": tmpl, "eos_token": "<|im_end|>"}))
-    return d
+    """A tiny random Qwen2 (2 layers, hidden 64, context 512) with a byte-level tokenizer and a chat template:
+    `minivllm.testing.tiny_chat_folder` (`sharp`: non-zero biases, a sharper next-token distribution)."""
+    from minivllm.testing import tiny_chat_folder
+    return tiny_chat_folder(d, seed, sharp)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 
 import minivllm.bench as bench
 from minivllm.engine import LLMEngine
+from minivllm.utils import free_port
 
 
 @pytest.mark.parametrize("p", [0, 1, 37.5, 50, 99, 100])
@@ -73,12 +74,6 @@ def test_decode_bytes_per_step(tiny):
 def test_memory_bandwidth_is_plausible():
     bw = bench.memory_bandwidth(gib=0.125, repeats=2)
     assert 0.1 < bw < 10_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_compare_servers_runs_a_real_server_process(tiny_folder):

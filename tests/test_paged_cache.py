@@ -471,7 +471,7 @@ def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
     kv.k.normal_()
     kv.v.normal_()
     d1, d2 = BlockTable(4, [5, 2, 9], 9), BlockTable(4, [3], 3)
-    meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU)
+    meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU, decoder=ck.default_decoder(kv))
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = torch.randn(2, H, D), torch.randn(2, Hkv, D), torch.randn(2, Hkv, D)
     calls = []
@@ -483,7 +483,7 @@ def test_attend_runs_the_c_kernel_on_the_cpu_and_agrees(monkeypatch):
     assert meta.decoder.name == "c"
     monkeypatch.setattr(ck, "attn_library", lambda: None)  # where it cannot be built: the PyTorch path
     assert not ck.c_decode_supported(q, kv.k[0])
-    meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU)
+    meta = PagedBatch.build(kv, [(d1, 8, 1), (d2, 2, 1)], num_prefill=0, device=CPU, decoder=ck.default_decoder(kv))
     assert meta.decoder.name == "torch"
     assert (meta.attend(0, q, k, v) - got).abs().max() <= ATTN_TOL and calls == [1]
 
@@ -496,7 +496,7 @@ def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypa
     kv.k.normal_()
     kv.v.normal_()
     lone = [(BlockTable(4, [5, 2, 9], 11), 10, 1)]
-    meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU)
+    meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU, decoder=ck.default_decoder(kv))
     assert meta.decoder.name == "c" and meta.lone_context is None  # the C kernel takes a lone row as it is
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = (torch.randn(1, h, D, dtype=dtype) for h in (H, Hkv, Hkv))
@@ -507,7 +507,7 @@ def test_a_lone_decode_row_runs_the_c_kernel_and_agrees_with_the_gather(monkeypa
     got = meta.attend(0, q, k, v)
     assert calls == [1] and sdpa == []  # one C call, no gather
     monkeypatch.setattr(ck, "attn_library", lambda: None)  # where it cannot be built: one gather, one SDPA call
-    meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU)
+    meta = PagedBatch.build(kv, lone, num_prefill=0, device=CPU, decoder=ck.default_decoder(kv))
     assert meta.decoder.name == "torch" and meta.lone_context is not None
     want = meta.attend(0, q, k, v)
     assert calls == [1] and sdpa == [1]

@@ -854,10 +854,10 @@ def test_assemble_checksum_and_permissions(tmp_path, monkeypatch):
 
     payload = bytes(range(256)) * 1000
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(qwen2, "BUNDLED_SIZE", len(payload))
-    monkeypatch.setattr(qwen2, "BUNDLED_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(weights, "BUNDLED_SIZE", len(payload))
+    monkeypatch.setattr(weights, "BUNDLED_SHA256", hashlib.sha256(payload).hexdigest())
     parts = _fake_parts(tmp_path, payload)
-    monkeypatch.setattr(qwen2, "_bundled_parts", lambda: parts)
+    monkeypatch.setattr(weights, "_bundled_parts", lambda: parts)
     dest = utils.cache_dir() / "bundled" / f"{weights.BUNDLED_NAME}.gguf"
     # one flipped byte: refused, with both checksums and the path in the message; nothing left in the cache
     good = parts[3].read_bytes()
@@ -896,7 +896,7 @@ def test_bundled_parts_flipped_byte(tmp_path, monkeypatch):
         b = f.read(1)
         f.seek(12345)
         f.write(bytes([b[0] ^ 0x10]))
-    monkeypatch.setattr(qwen2, "_bundled_parts", lambda: parts[:3] + [bad] + parts[4:])
+    monkeypatch.setattr(weights, "_bundled_parts", lambda: parts[:3] + [bad] + parts[4:])
     cache = tmp_path / "cache"
     monkeypatch.setenv("MINIVLLM_CACHE", str(cache))
     with pytest.raises(

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from minivllm.engine import LLMEngine
 from minivllm.weights import load_model
 from minivllm.server import AsyncEngine, BackgroundServer, available_cores, build_app
+from minivllm.utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -417,15 +418,9 @@ def test_two_servers_in_one_process(tiny):
 
 
 # --- the command line -------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
-
 def _serve(args: list[str], startup: float):
     "Start `python -m minivllm.server ARGS` on a free loopback port; returns (process, url, log file)."
-    port = _free_port()
+    port = free_port()
     logf = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "minivllm.server", *args, "--port", str(port)], stdout=logf,

@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from minivllm.utils import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Injected faults, run in the server process before main. A request whose prompt starts with a marker is marked
@@ -62,17 +64,11 @@ engine.ModelRunner.sample_hidden = sample_hidden
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     "`python -c` that applies `patch`, then runs the server's main on a free loopback port."
 
     def __init__(self, folder: Path, *flags: str, patch: str = "", startup: float = 120):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.NamedTemporaryFile("w", suffix=".log", delete=False).name)
         code = "import sys\nfrom minivllm import engine, server\n" + patch + "\nserver.main(sys.argv[1:])"

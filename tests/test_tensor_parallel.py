@@ -17,6 +17,7 @@ from minivllm.engine import LLM
 from minivllm.parallel import ShardPlan, WorkerDied, save_random_model
 from minivllm.qwen2 import ModelLoadError, Qwen2Config
 from minivllm.scheduler import SamplingParams
+from minivllm.utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,15 +149,9 @@ def test_worker_exits_when_rank0_dies(small_folder, tmp_path):
     assert not alive, "the worker outlived rank 0"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank1_by_hand(folder: Path, dtype: str, monkeypatch) -> subprocess.Popen:
     "Start rank 1 on its own with its own flags, as on another machine, and set rank 0's env:// variables here."
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "minivllm.parallel", "--model", str(folder), "--tensor-parallel-size", "2",
            "--dtype", dtype]
     worker = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": "1"}, cwd=ROOT)
@@ -197,7 +192,7 @@ def test_server_with_a_dead_worker_says_503_and_exits(small_folder, tmp_path):
     "The server at N=2: a killed worker ends the engine loop with WorkerDied; /health turns 503; nothing is left."
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     args = ["--model", str(small_folder), "--port", str(port), "--host", "127.0.0.1", "--block-size", "4",
             "--num-gpu-blocks-override", "256", "--tensor-parallel-size", "2", "--uvicorn-log-level", "warning"]
