@@ -18,7 +18,8 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from .qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
 
 # %% auto #0
-__all__ = ['TINY', 'CHAT_TEMPLATE', 'tiny_hf', 'ours_from', 'logits', 'tiny_folder', 'byte_tokenizer', 'tiny_chat_folder']
+__all__ = ['TINY', 'CHAT_TEMPLATE', 'tiny_hf', 'ours_from', 'logits', 'layer_outputs', 'layer_diffs', 'tiny_folder',
+           'byte_tokenizer', 'tiny_chat_folder']
 
 # %% ../nbs/01a_testing.ipynb #82199609
 TINY = dict(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -51,6 +52,28 @@ def logits(model, ids):
     "Our logits [T, vocab] for one sequence `ids` [T]."
     meta = ContiguousKVCache(model.config.num_hidden_layers).batch([0], [len(ids)])
     return model.compute_logits(model(ids, torch.arange(len(ids)), meta))
+
+# %% ../nbs/01a_testing.ipynb #937deb66
+def layer_outputs(model, run) -> list[torch.Tensor]:
+    "Each decoder layer's output [T, hidden] while `run()` runs `model` (ours or transformers')."
+    outs = []
+    width = model.model.embed_tokens.weight.shape[1]
+    grab = lambda mod, args, out: outs.append((out[0] if isinstance(out, tuple) else out).reshape(-1, width))
+    hooks = [layer.register_forward_hook(grab) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+def layer_diffs(ours, hf, ids) -> list[float]:
+    "max |ours - transformers| of each layer's output, relative to that output's largest entry."
+    a = layer_outputs(ours, lambda: logits(ours, ids))
+    b = layer_outputs(hf, lambda: hf(ids[None]))
+    return [((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b)]
 
 # %% ../nbs/01a_testing.ipynb #4c9ba5e2
 def tiny_folder(folder, seed: int = 0, **kw):
@@ -91,5 +114,6 @@ def tiny_chat_folder(folder: str | Path | None = None, seed: int = 0, sharp: boo
             hf.lm_head.weight.normal_(0, 0.2)
     hf.save_pretrained(d)
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
     return d
