@@ -241,6 +241,19 @@ def test_chat_streams_and_the_grid_fills_then_frees(browser, server, tmp_path):
     assert js(browser, "document.querySelectorAll('#steps .step').length") > 0
 
 
+def test_stop_ends_the_answer_and_gives_its_blocks_back(browser, server):
+    from selenium.webdriver.common.by import By
+    browser.get(server.url + "/")
+    wait_for(browser, "document.body.dataset.events > 0")
+    browser.execute_script("minivllm.send('a long one, please', {max_tokens: 440, ignore_eos: true})")
+    wait_for(browser, f"{LAST_ANSWER}.textContent.length > 5 && {GRID}.dataset.held > 0")
+    browser.find_element(By.ID, "stop").click()
+    wait_for(browser, "minivllm.page.controller === null")
+    assert js(browser, "document.getElementById('chat-status').textContent") == "stopped"
+    wait_for(browser, f"{GRID}.dataset.held === '0'")  # the server aborted it: every block is back
+    assert server.app.state.engine.engine.generation_tokens > 0
+
+
 PAYLOAD = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"><b>bold</b>'
 
 

@@ -113,7 +113,7 @@ const fill = (v) => v === FREE ? "#e6e6ea" : v === CACHED ? "#b9dcc0" : v === HE
 
 function drawGrid(pool) {
   const canvas = $("grid"), ctx = canvas.getContext("2d");
-  const cell = Math.max(3, Math.min(18, Math.floor(Math.sqrt((canvas.width * 200) / pool.n))));
+  const cell = Math.max(3, Math.min(18, Math.floor(Math.sqrt((canvas.width * 300) / pool.n))));
   const cols = Math.floor(canvas.width / cell), gap = cell > 5 ? 1 : 0;
   canvas.height = Math.ceil(pool.n / cols) * cell;
   const at = (b) => [(b % cols) * cell, Math.floor(b / cols) * cell];
