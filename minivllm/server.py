@@ -1040,7 +1040,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every /v1 request (default: $MINIVLLM_API_KEY if set)",
+        help="require 'Authorization: Bearer KEY' on /v1, and the key on the live page at / (default: "
+        "$MINIVLLM_API_KEY if set)",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -1153,7 +1154,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     server = GracefulServer(config, app.state.serving, args.shutdown_timeout)
     where, key = f"http://{args.host}:{args.port}", ", API key required" if api_key else ""
-    log.info("serving %s on %s (OpenAI API under /v1%s; /health, /metrics)", names, where, key)
+    log.info("serving %s on %s (a page at /, OpenAI API under /v1%s; /health, /metrics)", names, where, key)
     server.run()
     if server.exit_code:
         raise SystemExit(server.exit_code)
