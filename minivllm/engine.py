@@ -487,6 +487,7 @@ class LLMEngine:
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
         self.log_steps, self.step_log = a.log_steps, []
+        self.last_batch, self.last_step_seconds = None, 0.0  # the last step (13: the live page shows it)
         self.memory_released_at, self.num_memory_releases = time.monotonic(), 0  # release_memory, below
 
     @classmethod
@@ -654,8 +655,9 @@ def _run_and_sample(
 
 @patch
 def _account(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
-    "After a step: count it, log it (`log_steps`), give the C heap's free pages back now and then."
+    "After a step: count it, keep it, log it (`log_steps`), give the C heap's free pages back now and then."
     self.num_steps += 1
+    self.last_batch, self.last_step_seconds = batch, seconds
     if self.log_steps:
         self._log(batch, seconds)
     self.release_memory()

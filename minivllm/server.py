@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import os
 import queue
@@ -45,9 +46,9 @@ log = logging.getLogger("minivllm.server")
 # %% auto #0
 __all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'available_cores', 'engine_threads', 'AsyncEngine', 'Submission',
            'Admission', 'EngineMetrics', 'OpenAIServing', 'SSEResponse', 'serving_app', 'BackgroundServer',
-           'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'build_app', 'GracefulServer',
-           'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine', 'log_engine', 'main',
-           'in_passing_thread']
+           'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key', 'key_matches',
+           'build_app', 'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser',
+           'build_engine', 'log_engine', 'main', 'in_passing_thread']
 
 # %% ../nbs/05_server.ipynb #fc08f744
 def available_cores() -> int:
@@ -102,6 +103,7 @@ class AsyncEngine:
         self.submissions: set[Submission] = set()  # event loop thread only: requests in flight
         self.death: BaseException | None = None  # what killed the engine thread, if something did
         self.on_death: list[Callable[[BaseException], None]] = []  # called on the engine thread as it dies
+        self.after_step: list[Callable[[], None]] = []  # called on the engine thread after each turn (13)
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
 
@@ -161,6 +163,8 @@ def _run(self: AsyncEngine) -> None:
             if eng.has_unfinished_requests():
                 self._deliver(eng.step())
             self.metrics.update(eng.stats())
+            for fn in self.after_step:
+                fn()
     except BaseException as e:  # noqa: BLE001 (whatever escapes the loop is fatal, and must be seen)
         self._die(e)
         return
@@ -188,6 +192,9 @@ def _handle(self: AsyncEngine, cmd: tuple) -> None:
     if cmd[0] == "abort":
         self._streams.pop(cmd[1], None)
         self.engine.abort(cmd[1])
+        return
+    if cmd[0] == "call":  # a function to run on this thread (13: a snapshot for a new viewer)
+        cmd[1]()
         return
     _, reqs, params, stream = cmd
     added = []
@@ -800,15 +807,34 @@ class RequestGuard:
         await self.app(scope, _replay(body, receive), send)
 
 # %% ../nbs/05_server.ipynb #e64b168f
+def needs_key(path: str) -> bool:
+    "What an API key guards: the API (/v1), and the live page at / with its stream and files (/live, 13)."
+    return path == "/" or path.startswith(("/v1", "/live"))
+
+
+def key_matches(auth: bytes, key: str) -> bool:
+    "`Bearer KEY`, or HTTP Basic with KEY as the password (what a browser's login box sends, for the page)."
+    scheme, _, cred = auth.partition(b" ")
+    if scheme.lower() == b"basic":
+        try:
+            cred = base64.b64decode(cred, validate=True).partition(b":")[2]
+        except ValueError:
+            return False
+    elif scheme.lower() != b"bearer":
+        return False
+    return secrets.compare_digest(cred, key.encode())
+
+
 @patch
 def check_headers(self: RequestGuard, scope) -> None:
     "401 without the API key, the gate's 503, 415 for a body not JSON, 413 for a Content-Length too large."
     headers = dict(scope["headers"])
-    if self.api_key and scope["path"].startswith("/v1"):
-        auth = headers.get(b"authorization", b"")
-        if not secrets.compare_digest(auth, f"Bearer {self.api_key}".encode()):
+    if self.api_key and needs_key(scope["path"]):
+        if not key_matches(headers.get(b"authorization", b""), self.api_key):
             msg = "Invalid or missing API key: send 'Authorization: Bearer <key>'."
-            raise APIError(401, msg, type="authentication_error", code="invalid_api_key")
+            page = not scope["path"].startswith("/v1")  # a browser asks for the key there, as a password
+            ask = {"WWW-Authenticate": 'Basic realm="mini-vLLM", charset="UTF-8"'} if page else None
+            raise APIError(401, msg, type="authentication_error", code="invalid_api_key", headers=ask)
     if self.gate is not None and scope["method"] == "POST" and scope["path"].endswith("completions"):
         self.gate()
     content_type = headers.get(b"content-type")
@@ -861,7 +887,7 @@ def _replay(body: bytes, receive):
 def build_app(
     engine: LLMEngine | AsyncEngine,
     served_model_name: str | list[str] = "minivllm",
-    api_key: str | None = None,  # required as a bearer token on /v1 (None: open)
+    api_key: str | None = None,  # required on /v1 and the live page (None: open)
     max_body_bytes: int = 8 << 20,  # larger bodies get a 413
     body_timeout: float = 30.0,  # seconds a client may take to send its body (408 after)
     max_num_queued_reqs: int | None = None,  # see AsyncEngine
@@ -875,6 +901,9 @@ def build_app(
     serving = OpenAIServing(aeng, names)
     app = serving_app(serving)
     add_routes(app, serving)
+    from minivllm.live import add_live_routes  # 13: the page at / (live.py builds on this module)
+
+    add_live_routes(app, serving)
     limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout, "gate": serving.check_serving}
     app.add_middleware(RequestGuard, api_key=api_key, **limits)
     add_error_handlers(app)
@@ -1011,7 +1040,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every /v1 request (default: $MINIVLLM_API_KEY if set)",
+        help="require 'Authorization: Bearer KEY' on /v1, and the key on the live page at / (default: "
+        "$MINIVLLM_API_KEY if set)",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -1124,7 +1154,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     server = GracefulServer(config, app.state.serving, args.shutdown_timeout)
     where, key = f"http://{args.host}:{args.port}", ", API key required" if api_key else ""
-    log.info("serving %s on %s (OpenAI API under /v1%s; /health, /metrics)", names, where, key)
+    log.info("serving %s on %s (a page at /, OpenAI API under /v1%s; /health, /metrics)", names, where, key)
     server.run()
     if server.exit_code:
         raise SystemExit(server.exit_code)

@@ -167,9 +167,10 @@ def test_check_style_leaves_out_only_nbdevs_all_lines(tmp_path):
 # nbdev: export and clean change nothing
 
 def test_nbdev_export_reproduces_the_package(tmp_path):
-    # Export into a lib folder that holds only our C sources (minivllm/csrc/: sources, not nbdev's output): a module
-    # no notebook writes (a stale or hand-written file) fails too.
-    scratch = scratch_project(tmp_path, "minivllm/csrc")
+    # Export into a lib folder that holds only our C sources (minivllm/csrc/) and the live page's files
+    # (minivllm/static/): sources, not nbdev's output. A module no notebook writes (a stale or hand-written file)
+    # fails too.
+    scratch = scratch_project(tmp_path, "minivllm/csrc", "minivllm/static")
     run([tool("nbdev_export")], cwd=scratch)
     assert_same_tree(tree(ROOT / "minivllm"), tree(scratch / "minivllm"),
                      "minivllm/ is not what nbdev_export writes (run nbdev_export; never edit minivllm/ by hand)")
