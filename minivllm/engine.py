@@ -124,6 +124,13 @@ class EngineArgs:
         "CUDA, c on CPUs where it builds, else torch",
     )
     enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs (CUDA with triton only)")
+    structured_outputs_backend: str = _opt(
+        "auto",
+        "grammar backend of structured outputs (04b): guidance (llguidance), xgrammar, or auto: guidance, "
+        "then xgrammar where installed for what guidance cannot express",
+        aliases=["--structured-outputs-config.backend", "--guided-decoding-backend"],
+        choices=["auto", "guidance", "xgrammar"],
+    )
     seed: int = _opt(0, "seed of the sampler for requests without one")
     log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
 
@@ -154,7 +161,10 @@ def add_cli_args(cls: EngineArgs, parser: argparse.ArgumentParser) -> argparse.A
                 *names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
             )
         else:
-            group.add_argument(*names, dest=f.name, type=kind, default=f.default, help=helptext)
+            choices = f.metadata.get("choices")
+            group.add_argument(
+                *names, dest=f.name, type=kind, default=f.default, choices=choices, help=helptext
+            )
     return parser
 
 
@@ -715,7 +725,9 @@ class LLMEngine:
         )
         self.runner = runner_factory(model, self.cache, self.block_manager, **self._attention(graphs))
         self.sampler = Sampler(a.seed, w.device)
-        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size)  # compiles grammars on first use
+        self.structured = StructuredOutputs(  # compiles grammars on first use
+            tokenizer, cfg.vocab_size, backend=a.structured_outputs_backend
+        )
         self.requests: dict[str, _Request] = {}
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
