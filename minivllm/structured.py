@@ -22,8 +22,8 @@ from .qwen2 import Tokenizer
 __all__ = ['KINDS', 'BACKENDS', 'ANY_OBJECT', 'MAX_WHITESPACE', 'COMPILERS', 'StructuredOutputError', 'StructuredOutputsParams',
            'choice_grammar', 'guidance_tokenizer', 'tokenizer_info', 'Compiled', 'StructuredOutputs', 'cache_key',
            'json_strings_repaired', 'json_schema_grammar', 'guidance_json_options', 'closed_objects',
-           'guidance_grammar', 'Unexpressible', 'structural_tag_lark', 'stop_mask', 'GrammarState', 'GuidanceState',
-           'apply_bitmask', 'apply_grammar_masks']
+           'guidance_grammar', 'Unexpressible', 'lark_text', 'structural_tag_lark', 'stop_mask', 'GrammarState',
+           'GuidanceState', 'apply_bitmask', 'apply_grammar_masks']
 
 # %% ../nbs/04b_structured_outputs.ipynb #36dc640e
 class StructuredOutputError(ValueError):
@@ -273,8 +273,10 @@ def closed_objects(schema):
     return out
 
 
-def guidance_grammar(kind: str, text: str, any_whitespace: bool) -> str:
-    "llguidance's grammar (its JSON form, as text) of one kind of constraint; ValueError if it cannot be."
+def guidance_grammar(
+    kind: str, text: str, any_whitespace: bool, added: dict[str, int] | None = None
+) -> str:
+    "llguidance's grammar (its JSON form, as text) of a constraint (`added`: ids of the added tokens)."
     llg = _llguidance()
     if kind in ("json", "json_object"):
         schema = closed_objects(json.loads(text))
@@ -282,7 +284,7 @@ def guidance_grammar(kind: str, text: str, any_whitespace: bool) -> str:
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(text)
     if kind == "structural_tag":
-        return llg.LLMatcher.grammar_from_lark(structural_tag_lark(text))
+        return llg.LLMatcher.grammar_from_lark(structural_tag_lark(text, added))
     return llg.grammar_from("grammar", text)  # GBNF (and choice, as GBNF), converted to Lark
 
 # %% ../nbs/04b_structured_outputs.ipynb #051ade85
@@ -290,7 +292,17 @@ class Unexpressible(StructuredOutputError):
     "A constraint that a backend cannot express (another backend may)."
 
 
-def _tag_lark(tag: dict) -> str:
+def lark_text(text: str, added: dict[str, int]) -> str:
+    "Fixed text in Lark: JSON string literals, and `<[id]>` for each added token (`<tool_call>`) in it."
+    if not text:
+        return '""'
+    names = sorted(added, key=len, reverse=True)
+    pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
+    quote = lambda s: json.dumps(s, ensure_ascii=False)  # noqa: E731 (Lark reads JSON string literals)
+    return " ".join(f"<[{added[p]}]>" if p in added else quote(p) for p in pieces if p)
+
+
+def _tag_lark(tag: dict, added: dict[str, int]) -> str:
     "One `tag` of a structural tag in Lark: its begin, the JSON of its schema, its end."
     content = tag.get("content") if isinstance(tag, dict) else None
     if not isinstance(content, dict) or tag.get("type") != "tag" or content.get("type") != "json_schema":
@@ -299,21 +311,20 @@ def _tag_lark(tag: dict) -> str:
     options["whitespace_pattern"] = options["whitespace_pattern"].replace(
         str(MAX_WHITESPACE), str(content.get("max_whitespace_cnt", MAX_WHITESPACE))
     )
-    schema = {**content["json_schema"], "x-guidance": options}
-    quote = lambda s: json.dumps(s, ensure_ascii=False)  # noqa: E731 (Lark reads JSON string literals)
-    return f"{quote(tag['begin'])} %json {json.dumps(schema)} {quote(tag['end'])}"
+    schema = {**closed_objects(content["json_schema"]), "x-guidance": options}
+    return f"{lark_text(tag['begin'], added)} %json {json.dumps(schema)} {lark_text(tag['end'], added)}"
 
 
-def structural_tag_lark(text: str) -> str:
+def structural_tag_lark(text: str, added: dict[str, int] | None = None) -> str:
     "The Lark grammar of a structural tag made of a `tag` or of `tags_with_separator`; else Unexpressible."
     fmt = json.loads(text).get("format", {})
     kind = fmt.get("type")
     if kind == "tag":
-        return f"start: {_tag_lark(fmt)}\n"
+        return f"start: {_tag_lark(fmt, added or {})}\n"
     if kind != "tags_with_separator":
         msg = f"the guidance backend cannot express a structural tag {kind!r}"
         raise Unexpressible(msg, "structural_tag")
-    tags = " | ".join(_tag_lark(t) for t in fmt["tags"])
+    tags = " | ".join(_tag_lark(t, added or {}) for t in fmt["tags"])
     sep = json.dumps(fmt.get("separator", ""), ensure_ascii=False)
     if fmt.get("stop_after_first"):
         body = "tag"
@@ -328,7 +339,9 @@ def _compile_guidance(so: StructuredOutputs, kind: str, text: str, any_whitespac
     "llguidance's grammar for a constraint, checked against the vocabulary."
     llg = _llguidance()
     try:
-        grammar = guidance_grammar(kind, text, any_whitespace)
+        added = so.tokenizer.tok.get_added_tokens_decoder().items()
+        added = {a.content: i for i, a in added if i < so.vocab_size}
+        grammar = guidance_grammar(kind, text, any_whitespace, added)
     except Unexpressible:
         raise
     except Exception as e:  # noqa: BLE001 (a GBNF grammar its converter cannot read, and the like)
