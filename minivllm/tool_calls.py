@@ -15,9 +15,9 @@ from fastcore.basics import patch
 from .structured import MAX_WHITESPACE, StructuredOutputsParams
 
 # %% auto #0
-__all__ = ['TOOL_CALL_START', 'TOOL_CALL_END', 'HEAD', 'HEAD_SO_FAR', 'ToolCallError', 'Function', 'check_tools',
-           'resolve_tool_choice', 'tool_call_grammar', 'new_call_id', 'parse_call', 'ToolCall', 'ToolCallDelta',
-           'JsonScan', 'ToolCallParser', 'parse_tool_calls']
+__all__ = ['TOOL_CALL_START', 'TOOL_CALL_END', 'HEAD', 'HEAD_SO_FAR', 'BARE_OPEN', 'BARE_SO_FAR', 'ToolCallError', 'Function',
+           'check_tools', 'resolve_tool_choice', 'tool_call_grammar', 'new_call_id', 'parse_call', 'ToolCall',
+           'ToolCallDelta', 'JsonScan', 'ToolCallParser', 'parse_tool_calls']
 
 # %% ../nbs/05b_tool_calls.ipynb #081c68dc
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # Qwen2.5's (hermes) tags
@@ -207,6 +207,8 @@ def _prefixes(pieces: list[tuple[str, str]]) -> str:
 
 HEAD = re.compile("".join(full for full, _ in _HEAD_PIECES))  # up to the `{` that opens the arguments
 HEAD_SO_FAR = re.compile(_prefixes(_HEAD_PIECES))  # text that may still become a HEAD
+BARE_OPEN = re.compile(r"\s*(?:```(?:json)?[ \t]*\n\s*)?[\[{]")  # a bare call's start, perhaps in a fence
+BARE_SO_FAR = re.compile(r"\s*(?:`{1,2}|```(?:j|js|jso|json)?[ \t]*(?:\n\s*)?)?")  # may still become one
 
 # %% ../nbs/05b_tool_calls.ipynb #216d0d7e
 class JsonScan:
@@ -240,6 +242,7 @@ class ToolCallParser:
         self.pending = ""  # text not decided yet
         self.mode = "text"  # text, head (of a call), args, tail (after the arguments), block (no head)
         self.tagged = self.in_list = self.said = False  # said: content other than whitespace went out
+        self.opening, self.fenced = "", False  # what came before a bare call: whitespace, a code fence
         self.space = ""  # whitespace at the end of the content, held until more content follows
         self.calls: list[ToolCall] = []
         self.current: ToolCall | None = None  # the call being read (None: a dropped one)
@@ -267,17 +270,17 @@ class ToolCallParser:
 def _text(self: ToolCallParser, events: list) -> bool:
     "Content until a `<tool_call>` tag, or a bare call at the start; False when more text is needed."
     bare = self.names and not self.said and not self.calls
-    lead = len(self.pending) - len(self.pending.lstrip())
-    if bare and lead < len(self.pending) and self.pending[lead] in "{[":
-        self._content(self.pending[:lead], events)
-        self.in_list = self.pending[lead] == "["
-        self.pending, self.mode, self.tagged = self.pending[lead:], "head", False
+    m = BARE_OPEN.match(self.pending) if bare else None
+    if m:
+        self.opening, self.fenced = self.pending[: m.end() - 1], "`" in self.pending[: m.end()]
+        self.in_list = self.pending[m.end() - 1] == "["
+        self.pending, self.mode, self.tagged = self.pending[m.end() - 1 :], "head", False
         return True
+    if bare and BARE_SO_FAR.fullmatch(self.pending):
+        return False  # whitespace, or the start of a fence: a bare call may still come
     start = self.pending.find(TOOL_CALL_START)
     if start < 0:
         cut = len(self.pending) - _partial_start(self.pending)
-        if bare and not self.pending.strip():
-            cut = 0  # only whitespace yet: a bare call may still come
         self._content(self.pending[:cut], events)
         self.pending = self.pending[cut:]
         return False
@@ -298,8 +301,8 @@ def _head(self: ToolCallParser, events: list) -> bool:
     if not m and HEAD_SO_FAR.fullmatch(self.pending, skip):
         return False  # it may still be a call
     self.mode = "block" if self.tagged else "text"  # a tagged block may still be a call of another shape
-    if not self.tagged:
-        self.names = None  # the answer is not a bare call: no later JSON is either
+    if not self.tagged:  # the answer is no bare call, and no later JSON is one
+        self.names, self.pending = None, self.opening + self.pending
     return True
 
 # %% ../nbs/05b_tool_calls.ipynb #3a186937
@@ -339,6 +342,10 @@ def _tail(self: ToolCallParser, events: list) -> bool:
         self.in_list = rest[0] == ","
         self.pending, self.mode = rest[1:], "head" if self.in_list else "text"
         return True
+    if self.fenced and "```".startswith(rest[:3]):
+        if len(rest) < 3:
+            return False  # the closing fence may still come
+        self.pending, self.fenced = rest[3:], False
     self.mode = "text"
     return True
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from minivllm.engine import CompletionOutput
 from minivllm.server import ResponseBuilder
-from minivllm.structured import StructuredOutputs, apply_grammar_masks
+from minivllm.structured import StructuredOutputs, StructuredOutputsParams, apply_grammar_masks
 from minivllm.tool_calls import (ToolCall, ToolCallDelta, ToolCallError, ToolCallParser, check_tools, parse_tool_calls,
                                  resolve_tool_choice, tool_call_grammar)
 
@@ -56,7 +56,7 @@ def test_streamed_events_equal_the_whole_answer(pieces, cuts):
     assert "<tool_call>\n{\"name\": \"get_weather\"" not in (content or "")  # a whole call never leaks as text
 
 
-BARE_PIECES = st.sampled_from([" ", "\n", "[", "]", ", ", "{", "}", '"', "Hi", '{"name": "get_weather", ',
+BARE_PIECES = st.sampled_from([" ", "\n", "[", "]", ", ", "{", "}", '"', "Hi", "```", "```json\n", "`", '{"name": "get_weather", ',
                                '"arguments": {"city": "P\\"}a', '{"name": "get_time", "arguments": {}}', "{\"a\": 1}",
                                '{"name": "get_news", "arguments": {}}', CALL, "<tool_call>", "é"])
 
@@ -187,7 +187,11 @@ BARE = '{"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"
     (BARE, None, False),  # not auto, or auto with a response_format: JSON is the answer
     (BARE, ["get_time"], False),  # names no tool of the request
     (f"Call it like this: {BARE}", ["get_weather"], False),
-    (f"```json\n{BARE}\n```", ["get_weather"], False),
+    (f"```json\n{BARE}\n```", ["get_weather"], True),  # the whole answer a fenced call: the bundled model's habit
+    (f"```\n[{BARE}]\n```\n", ["get_weather"], True),
+    ("```json\n{\"city\": \"Tokyo\"}\n```", ["get_weather"], False),
+    ("```python\nprint({'name': 1})\n```", ["get_weather"], False),
+    (f"{BARE}\nThat is the call.", ["get_weather"], True),
     ('{"name": "get_weather", "arguments": "Tokyo"}', ["get_weather"], False),
     ('{"city": "Tokyo", "temperature": 18}', ["get_weather"], False),
     ("It is sunny in Tokyo.", ["get_weather"], False),
@@ -198,7 +202,7 @@ def test_bare_json_calls_whole_and_streamed(tiny, text, names, called):
     msg, finish = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read).message(
         CompletionOutput(0, text, [1], "stop"))
     assert (finish == "tool_calls") == called and bool(msg.get("tool_calls")) == called
-    assert (msg["content"] is None) == called and (called or msg["content"] == text)
+    assert called or msg["content"] == text
     for step in (1, 3, 7):
         content, calls, _, last = stream_deltas(ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read),
                                                 text, step)
@@ -310,3 +314,36 @@ def test_qwen_template_writes_past_calls_as_json():
     text = chat_prompt(tok, [ChatMessage.model_validate(m) for m in history], True, [WEATHER])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\n12 degrees\n</tool_response>" in text
+
+
+# --- the grammar backend: auto falls back to xgrammar for what llguidance cannot express -------------------------
+TRIGGERED = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+    {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+     "end": "</f>"}]}}
+
+
+def test_auto_backend_picks_xgrammar_for_what_guidance_cannot_express(server, tiny):
+    body = {"messages": MSG, "max_tokens": 8, "structured_outputs": {"structural_tag": json.dumps(TRIGGERED)}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plain = {"messages": MSG, "max_tokens": 4, "response_format": {"type": "json_object"}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=plain, timeout=60).status_code == 200
+    so = StructuredOutputs(tiny[1], 300)  # the same choice, one level down
+    assert so.compile(StructuredOutputsParams(structural_tag=json.dumps(TRIGGERED))).backend == "xgrammar"
+    assert so.compile(StructuredOutputsParams(json_object=True)).backend == "guidance"
+
+
+def test_guidance_backend_says_what_it_cannot_express(tiny):
+    from minivllm.engine import LLMEngine
+    from minivllm.server import BackgroundServer, build_app
+
+    model, tok = tiny
+    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=256, structured_outputs_backend="guidance")
+    with BackgroundServer(build_app(engine, "tiny")) as srv:
+        body = {"messages": MSG, "max_tokens": 8, "structured_outputs": {"structural_tag": json.dumps(TRIGGERED)}}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "guidance backend cannot express" in r.json()["error"]["message"], r.text
+        forced = {"messages": MSG, "max_tokens": 40, "tools": [WEATHER], "tool_choice": "required"}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=forced, timeout=60).status_code == 200
+    with pytest.raises(ValueError, match="must be one of"):
+        StructuredOutputs(tok, 300, backend="outlines")
