@@ -191,7 +191,7 @@ def _literal(s: str) -> tuple[str, str]:
 _WS = (r"\s*", r"\s*")
 _HEAD_PIECES = [
     _WS, _literal("{"), _WS, _literal('"name"'), _WS, _literal(":"), _WS,
-    (r'"(?P<name>[A-Za-z0-9_-]{1,64})"', r'"?[A-Za-z0-9_-]{0,64}'), _WS, _literal(","), _WS,
+    (r'"(?P<name>[A-Za-z0-9_-]{1,64})"', r'(?:"[A-Za-z0-9_-]{0,64})?'), _WS, _literal(","), _WS,
     (r'"(?:arguments|parameters)"', _literal('"arguments"')[1] + "|" + _literal('"parameters"')[1]),
     _WS, _literal(":"), _WS, _literal("{"),
 ]
