@@ -297,7 +297,7 @@ def _head(self: ToolCallParser, events: list) -> bool:
     if m and (self.tagged or m["name"] in self.names):
         self.current = self._call(m["name"], "", events)
         self.pending, self.mode, self.scan = self.pending[m.end() - 1 :], "args", JsonScan()
-        return True
+        return False  # the call's first delta goes out alone: its arguments follow with the next piece
     if not m and HEAD_SO_FAR.fullmatch(self.pending, skip):
         return False  # it may still be a call
     self.mode = "block" if self.tagged else "text"  # a tagged block may still be a call of another shape
@@ -387,7 +387,10 @@ def feed(self: ToolCallParser, text: str) -> list[str | ToolCallDelta]:
 @patch
 def finish(self: ToolCallParser) -> list[str | ToolCallDelta]:
     "The end of the text: an unfinished head or block is content; a call cut in its arguments stays a call."
-    events = []
+    events, before = [], None
+    while before != (self.mode, self.pending):  # read on what waited behind a call's first delta
+        before = (self.mode, self.pending)
+        events += self.feed("")
     if self.mode in ("text", "head", "block"):
         self._content(self.pending, events)
     self.pending, self.mode, self.space = "", "text", ""
