@@ -269,7 +269,7 @@ class ToolCallParser:
 @patch
 def _text(self: ToolCallParser, events: list) -> bool:
     "Content until a `<tool_call>` tag, or a bare call at the start; False when more text is needed."
-    bare = self.names and not self.said and not self.calls
+    bare = self.names and not self.said  # only calls and whitespace so far: JSON may be a call
     m = BARE_OPEN.match(self.pending) if bare else None
     if m:
         self.opening, self.fenced = self.pending[: m.end() - 1], "`" in self.pending[: m.end()]
