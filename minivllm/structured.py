@@ -292,6 +292,9 @@ class Unexpressible(StructuredOutputError):
     "A constraint that a backend cannot express (another backend may)."
 
 
+_XGRAMMAR_HINT = "pip install 'minivllm[xgrammar]', backend auto or xgrammar"
+
+
 def lark_text(text: str, added: dict[str, int]) -> str:
     "Fixed text in Lark: JSON string literals, and `<[id]>` for each added token (`<tool_call>`) in it."
     if not text:
@@ -306,7 +309,8 @@ def _tag_lark(tag: dict, added: dict[str, int]) -> str:
     "One `tag` of a structural tag in Lark: its begin, the JSON of its schema, its end."
     content = tag.get("content") if isinstance(tag, dict) else None
     if not isinstance(content, dict) or tag.get("type") != "tag" or content.get("type") != "json_schema":
-        raise Unexpressible("the guidance backend expresses tags around JSON only", "structural_tag")
+        msg = f"the guidance backend expresses tags around JSON only; xgrammar can: {_XGRAMMAR_HINT}"
+        raise Unexpressible(msg, "structural_tag")
     options = guidance_json_options(True)
     options["whitespace_pattern"] = options["whitespace_pattern"].replace(
         str(MAX_WHITESPACE), str(content.get("max_whitespace_cnt", MAX_WHITESPACE))
@@ -322,7 +326,7 @@ def structural_tag_lark(text: str, added: dict[str, int] | None = None) -> str:
     if kind == "tag":
         return f"start: {_tag_lark(fmt, added or {})}\n"
     if kind != "tags_with_separator":
-        msg = f"the guidance backend cannot express a structural tag {kind!r}"
+        msg = f"the guidance backend cannot express a structural tag {kind!r}; xgrammar can: {_XGRAMMAR_HINT}"
         raise Unexpressible(msg, "structural_tag")
     tags = " | ".join(_tag_lark(t, added or {}) for t in fmt["tags"])
     sep = json.dumps(fmt.get("separator", ""), ensure_ascii=False)
