@@ -482,7 +482,9 @@ class LLMEngine:
         )
         self.runner = runner_factory(model, self.cache, self.block_manager, **self._attention(graphs))
         self.sampler = Sampler(a.seed, w.device)
-        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size)  # compiles grammars on first use
+        self.structured = StructuredOutputs(  # compiles grammars on first use
+            tokenizer, cfg.vocab_size, backend=a.structured_outputs_backend
+        )
         self.requests: dict[str, _Request] = {}
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0

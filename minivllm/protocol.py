@@ -271,8 +271,10 @@ def output_constraint(req: SamplingRequest) -> tuple[StructuredOutputsParams | N
     return constraint, param
 
 # %% ../nbs/05a_protocol.ipynb #9849212a
-def chat_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None, bool]:
-    "A chat request's output grammar and the field it came from, and whether its answer may call tools."
+def chat_constraint(
+    req: ChatCompletionRequest,
+) -> tuple[StructuredOutputsParams | None, str | None, dict | None]:
+    "A chat request's output grammar, the field it came from, and how to read calls (None: it calls no tool)."
     try:
         functions = check_tools(req.tools)
         mode, name = resolve_tool_choice(req.tool_choice, functions)
@@ -283,9 +285,12 @@ def chat_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams
     if forced is not None and constraint is not None:
         msg = f"tool_choice {req.tool_choice!r} forces tool calls; it cannot be combined with {param}."
         raise APIError(400, msg, param="tool_choice")
+    reading = {"names": None, "parallel": req.parallel_tool_calls}  # ToolCallParser's arguments (05b)
     if forced is not None:
-        return forced, "tools", True
-    return constraint, param, mode != "none"
+        return forced, "tools", reading
+    if mode == "auto" and constraint is None:  # free text: an answer that is a call's bare JSON is a call
+        reading["names"] = [f.name for f in functions]
+    return constraint, param, reading if mode != "none" else None
 
 
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -557,7 +562,7 @@ class ResponseBuilder:
     tokenizer: Tokenizer
     logprobs: int | None = None  # top-k asked for, None if none
     include_usage: bool = False
-    tool_calls: bool = False  # chat: read tool calls out of the answer (12_tool_calls)
+    tool_calls: dict | None = None  # chat: read calls out of the answer, with these ToolCallParser arguments
     created: int = field(default_factory=lambda: int(time.time()))
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # choice index -> its stream's parser
 
@@ -589,7 +594,7 @@ def message(self: ResponseBuilder, c) -> tuple[dict, str | None]:
     "The whole chat message of completion `c`, with its tool calls, and its finish_reason."
     if not self.tool_calls:
         return {"role": "assistant", "content": c.text}, c.finish_reason
-    content, calls = parse_tool_calls(c.text)
+    content, calls = parse_tool_calls(c.text, **self.tool_calls)
     msg = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [call.to_dict() for call in calls]
@@ -640,14 +645,12 @@ def chunk(self: ResponseBuilder, choices: list[dict], usage: dict | None = None)
 
 @patch
 def new_parts(self: ResponseBuilder, prompt: int, c) -> tuple[str, list[dict], str | None]:
-    "What completion `c` adds to its stream: text, tool-call deltas (each a whole call), finish_reason."
+    "What completion `c` adds to its stream: text, tool-call deltas (a call's name, pieces of its arguments)."
     if not self.tool_calls:
         return c.delta_text, [], c.finish_reason
-    parser = self.parsers.setdefault(self.index(prompt, c), ToolCallParser())
+    parser = self.parsers.setdefault(self.index(prompt, c), ToolCallParser(**self.tool_calls))
     events = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
-    calls = [e for e in events if not isinstance(e, str)]
-    first = len(parser.calls) - len(calls)  # the index of the first new call among the choice's calls
-    deltas = [{"index": first + k, **call.to_dict()} for k, call in enumerate(calls)]
+    deltas = [e.to_dict() for e in events if not isinstance(e, str)]
     text = "".join(e for e in events if isinstance(e, str))
     return text, deltas, tool_finish(c.finish_reason, bool(parser.calls))
 

@@ -107,6 +107,13 @@ class EngineArgs:
         "CUDA, c on CPUs where it builds, else torch",
     )
     enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs (CUDA with triton only)")
+    structured_outputs_backend: str = _opt(
+        "auto",
+        "grammar backend of structured outputs (11): guidance (llguidance), xgrammar, or auto: guidance, "
+        "then xgrammar where installed for what guidance cannot express",
+        aliases=["--structured-outputs-config.backend", "--guided-decoding-backend"],
+        choices=["auto", "guidance", "xgrammar"],
+    )
     seed: int = _opt(0, "seed of the sampler for requests without one")
     log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
 
@@ -137,7 +144,10 @@ def add_cli_args(cls: EngineArgs, parser: argparse.ArgumentParser) -> argparse.A
                 *names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
             )
         else:
-            group.add_argument(*names, dest=f.name, type=kind, default=f.default, help=helptext)
+            choices = f.metadata.get("choices")
+            group.add_argument(
+                *names, dest=f.name, type=kind, default=f.default, choices=choices, help=helptext
+            )
     return parser
 
 

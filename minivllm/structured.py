@@ -5,6 +5,7 @@
 # %% ../nbs/11_structured_outputs.ipynb #a1278202
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -18,9 +19,11 @@ from fastcore.basics import patch
 from .weights import Tokenizer
 
 # %% auto #0
-__all__ = ['KINDS', 'ANY_OBJECT', 'MAX_WHITESPACE', 'StructuredOutputError', 'StructuredOutputsParams', 'choice_grammar',
-           'tokenizer_info', 'StructuredOutputs', 'cache_key', 'json_strings_repaired', 'json_schema_grammar',
-           'GrammarState', 'apply_grammar_masks']
+__all__ = ['KINDS', 'BACKENDS', 'ANY_OBJECT', 'MAX_WHITESPACE', 'COMPILERS', 'StructuredOutputError', 'StructuredOutputsParams',
+           'choice_grammar', 'guidance_tokenizer', 'tokenizer_info', 'Compiled', 'StructuredOutputs', 'cache_key',
+           'json_strings_repaired', 'json_schema_grammar', 'guidance_json_options', 'closed_objects',
+           'guidance_grammar', 'Unexpressible', 'lark_text', 'structural_tag_lark', 'stop_mask', 'GrammarState',
+           'GuidanceState', 'apply_bitmask', 'apply_grammar_masks']
 
 # %% ../nbs/11_structured_outputs.ipynb #36dc640e
 class StructuredOutputError(ValueError):
@@ -97,12 +100,28 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 # %% ../nbs/11_structured_outputs.ipynb #6cb54582
+def _llguidance():
+    "The llguidance module: a base dependency (a small wheel with no dependencies of its own)."
+    try:
+        import llguidance
+    except ImportError:
+        raise StructuredOutputError("the guidance backend needs llguidance: pip install llguidance") from None
+    return llguidance
+
+
+def guidance_tokenizer(tokenizer: Tokenizer, vocab_size: int):
+    "llguidance's `LLTokenizer` for `tokenizer` and a model with `vocab_size` logits per row."
+    text = tokenizer.tok.to_str()  # the tokenizer.json the model came with
+    return _llguidance().LLTokenizer(text, n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
+
+
 def _xgrammar():
     "The xgrammar module, imported on first use (it brings transformers and a compiled runtime)."
     try:
         import xgrammar
     except ImportError:
-        raise StructuredOutputError("structured outputs need xgrammar: pip install xgrammar") from None
+        msg = "the xgrammar backend needs xgrammar: pip install 'minivllm[xgrammar]'"
+        raise StructuredOutputError(msg) from None
     return xgrammar
 
 
@@ -124,6 +143,22 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int):
     return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
 
 # %% ../nbs/11_structured_outputs.ipynb #45ab1143
+BACKENDS = ("auto", "guidance", "xgrammar")  # vLLM's names: auto tries guidance first
+
+
+def _installed(backend: str) -> bool:
+    "Whether the library of `backend` can be imported (without importing it)."
+    return importlib.util.find_spec("llguidance" if backend == "guidance" else "xgrammar") is not None
+
+
+@dataclass
+class Compiled:
+    "A compiled constraint: the backend that compiled it and its grammar in that backend's form."
+
+    backend: str  # guidance or xgrammar
+    grammar: object  # llguidance's grammar text, or an xgrammar.CompiledGrammar
+
+
 class StructuredOutputs:
     "Compiled constraints (cached) for one tokenizer and vocabulary size, and a `GrammarState` per sequence."
 
@@ -132,20 +167,43 @@ class StructuredOutputs:
         tokenizer: Tokenizer,
         vocab_size: int,  # the model's: columns of a row of logits
         cache_size: int = 256,  # compiled grammars kept
+        backend: str = "auto",  # guidance, xgrammar, or auto: the first of them that can express a request
     ):
+        if backend not in BACKENDS:
+            choices = ", ".join(BACKENDS)
+            raise ValueError(f"structured outputs backend must be one of {choices}, got {backend!r}")
+        if backend != "auto" and not _installed(backend):
+            (_llguidance if backend == "guidance" else _xgrammar)()  # raises, saying what to install
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
-        self.cache: OrderedDict[tuple, object] = OrderedDict()  # key -> xgrammar.CompiledGrammar
-        self._compiler = None  # built on the first compile: it reads the whole vocabulary
+        self.backend = backend
+        self.cache: OrderedDict[tuple, Compiled] = OrderedDict()
+        self._vocab: dict[str, object] = {}  # backend -> its vocabulary, read on its first grammar
         self._lock = threading.Lock()  # a server compiles in helper threads while the engine reads the cache
+
+    def _vocabulary(self, backend: str, build):
+        with self._lock:
+            if backend not in self._vocab:
+                self._vocab[backend] = build()
+        return self._vocab[backend]
+
+    @property
+    def guidance(self):
+        "llguidance's `LLTokenizer` for this vocabulary."
+        return self._vocabulary("guidance", lambda: guidance_tokenizer(self.tokenizer, self.vocab_size))
 
     @property
     def compiler(self):
         "XGrammar's `GrammarCompiler` for this vocabulary."
-        with self._lock:
-            if self._compiler is None:
-                info = tokenizer_info(self.tokenizer, self.vocab_size)
-                self._compiler = _xgrammar().GrammarCompiler(info, cache_enabled=False)
-        return self._compiler
+        build = lambda: _xgrammar().GrammarCompiler(  # noqa: E731
+            tokenizer_info(self.tokenizer, self.vocab_size), cache_enabled=False
+        )
+        return self._vocabulary("xgrammar", build)
+
+    def candidates(self) -> list[str]:
+        "The backends to try, in order."
+        if self.backend != "auto":
+            return [self.backend]
+        return [b for b in ("guidance", "xgrammar") if _installed(b)]
 
 # %% ../nbs/11_structured_outputs.ipynb #f4ab994f
 ANY_OBJECT = '{"type":"object","additionalProperties":true}'  # json_object: the schema of every JSON object
@@ -186,36 +244,161 @@ def json_schema_grammar(xgr, schema: str, any_whitespace: bool):
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, max_whitespace_cnt=bound)
     return json_strings_repaired(xgr, grammar)
 
-# %% ../nbs/11_structured_outputs.ipynb #fa45d370
-@patch
-def _compile(self: StructuredOutputs, kind: str, text: str, any_whitespace: bool):
-    "Call XGrammar's compiler for one kind of constraint."
-    c = self.compiler
+# %% ../nbs/11_structured_outputs.ipynb #736591f9
+def guidance_json_options(any_whitespace: bool) -> dict:
+    "llguidance's JSON options: bounded free whitespace, or one space after each , and :."
+    if any_whitespace:
+        return {"whitespace_flexible": True, "whitespace_pattern": rf"[\x20\n\r\t]{{0,{MAX_WHITESPACE}}}"}
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # of schemas
+_VALUES = ("enum", "const", "default", "examples")  # JSON values, not schemas
+
+
+def closed_objects(schema):
+    "A copy of a JSON schema where an object allows no properties beyond its own, unless the schema says so."
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed_objects(s) for name, s in v.items()}
+        else:
+            out[k] = v if k in _VALUES else closed_objects(v)
+    if ("properties" in schema or schema.get("type") == "object") and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def guidance_grammar(
+    kind: str, text: str, any_whitespace: bool, added: dict[str, int] | None = None
+) -> str:
+    "llguidance's grammar (its JSON form, as text) of a constraint (`added`: ids of the added tokens)."
+    llg = _llguidance()
     if kind in ("json", "json_object"):
-        return c.compile_grammar(json_schema_grammar(_xgrammar(), text, any_whitespace))
+        schema = closed_objects(json.loads(text))
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=guidance_json_options(any_whitespace))
     if kind == "regex":
-        return c.compile_regex(text)
-    if kind == "structural_tag":  # its JSON contents are JSON-schema grammars: repaired the same way
-        return c.compile_grammar(
-            json_strings_repaired(_xgrammar(), _xgrammar().Grammar.from_structural_tag(text))
-        )
-    return c.compile_grammar(text)  # grammar, and choice as a grammar
+        return llg.LLMatcher.grammar_from_regex(text)
+    if kind == "structural_tag":
+        return llg.LLMatcher.grammar_from_lark(structural_tag_lark(text, added))
+    return llg.grammar_from("grammar", text)  # GBNF (and choice, as GBNF), converted to Lark
+
+# %% ../nbs/11_structured_outputs.ipynb #051ade85
+class Unexpressible(StructuredOutputError):
+    "A constraint that a backend cannot express (another backend may)."
+
+
+_XGRAMMAR_HINT = "pip install 'minivllm[xgrammar]', backend auto or xgrammar"
+
+
+def lark_text(text: str, added: dict[str, int]) -> str:
+    "Fixed text in Lark: JSON string literals, and `<[id]>` for each added token (`<tool_call>`) in it."
+    if not text:
+        return '""'
+    names = sorted(added, key=len, reverse=True)
+    pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
+    quote = lambda s: json.dumps(s, ensure_ascii=False)  # noqa: E731 (Lark reads JSON string literals)
+    return " ".join(f"<[{added[p]}]>" if p in added else quote(p) for p in pieces if p)
+
+
+def _tag_lark(tag: dict, added: dict[str, int]) -> str:
+    "One `tag` of a structural tag in Lark: its begin, the JSON of its schema, its end."
+    content = tag.get("content") if isinstance(tag, dict) else None
+    if not isinstance(content, dict) or tag.get("type") != "tag" or content.get("type") != "json_schema":
+        msg = f"the guidance backend expresses tags around JSON only; xgrammar can: {_XGRAMMAR_HINT}"
+        raise Unexpressible(msg, "structural_tag")
+    options = guidance_json_options(True)
+    options["whitespace_pattern"] = options["whitespace_pattern"].replace(
+        str(MAX_WHITESPACE), str(content.get("max_whitespace_cnt", MAX_WHITESPACE))
+    )
+    schema = {**closed_objects(content["json_schema"]), "x-guidance": options}
+    return f"{lark_text(tag['begin'], added)} %json {json.dumps(schema)} {lark_text(tag['end'], added)}"
+
+
+def structural_tag_lark(text: str, added: dict[str, int] | None = None) -> str:
+    "The Lark grammar of a structural tag made of a `tag` or of `tags_with_separator`; else Unexpressible."
+    fmt = json.loads(text).get("format", {})
+    kind = fmt.get("type")
+    if kind == "tag":
+        return f"start: {_tag_lark(fmt, added or {})}\n"
+    if kind != "tags_with_separator":
+        msg = f"the guidance backend cannot express a structural tag {kind!r}; xgrammar can: {_XGRAMMAR_HINT}"
+        raise Unexpressible(msg, "structural_tag")
+    tags = " | ".join(_tag_lark(t, added or {}) for t in fmt["tags"])
+    sep = json.dumps(fmt.get("separator", ""), ensure_ascii=False)
+    if fmt.get("stop_after_first"):
+        body = "tag"
+    else:
+        body = f"tag ({sep} tag)*"
+    if not fmt.get("at_least_one", False):
+        body = f'"" | {body}'
+    return f"start: {body}\ntag: {tags}\n"
+
+# %% ../nbs/11_structured_outputs.ipynb #fa45d370
+def _compile_guidance(so: StructuredOutputs, kind: str, text: str, any_whitespace: bool) -> str:
+    "llguidance's grammar for a constraint, checked against the vocabulary."
+    llg = _llguidance()
+    try:
+        added = so.tokenizer.tok.get_added_tokens_decoder().items()
+        added = {a.content: i for i, a in added if i < so.vocab_size}
+        grammar = guidance_grammar(kind, text, any_whitespace, added)
+    except Unexpressible:
+        raise
+    except Exception as e:  # noqa: BLE001 (a GBNF grammar its converter cannot read, and the like)
+        raise StructuredOutputError(f"{kind} does not compile: {e}", kind) from None
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, so.guidance)
+    if is_error:
+        raise StructuredOutputError(f"{kind} does not compile: {messages[0].strip()}", kind)
+    return grammar
+
+
+def _compile_xgrammar(so: StructuredOutputs, kind: str, text: str, any_whitespace: bool):
+    "XGrammar's compiled grammar for a constraint."
+    c, xgr = so.compiler, _xgrammar()
+    try:
+        if kind in ("json", "json_object"):
+            return c.compile_grammar(json_schema_grammar(xgr, text, any_whitespace))
+        if kind == "regex":
+            return c.compile_regex(text)
+        if kind == "structural_tag":  # its JSON contents are JSON-schema grammars: repaired the same way
+            return c.compile_grammar(json_strings_repaired(xgr, xgr.Grammar.from_structural_tag(text)))
+        return c.compile_grammar(text)  # grammar, and choice as a grammar
+    except RuntimeError as e:
+        message = _CPP_LOCATION.sub("", str(e)).strip()
+        raise StructuredOutputError(f"{kind} does not compile: {message}", kind) from None
+
+
+COMPILERS = {"guidance": _compile_guidance, "xgrammar": _compile_xgrammar}
+
+# %% ../nbs/11_structured_outputs.ipynb #d76a422e
+@patch
+def _compile(self: StructuredOutputs, kind: str, text: str, any_whitespace: bool) -> Compiled:
+    "The constraint compiled by the first backend that can; the first backend's error if none can."
+    errors = []
+    for backend in self.candidates():
+        try:
+            return Compiled(backend, COMPILERS[backend](self, kind, text, any_whitespace))
+        except StructuredOutputError as e:
+            errors.append(e)
+    if not errors:
+        _llguidance()  # no backend installed at all: says what to install
+    raise errors[0]
 
 
 @patch
-def compile(self: StructuredOutputs, params: StructuredOutputsParams):
-    "The compiled grammar (an `xgrammar.CompiledGrammar`) of a constraint, from the cache when it is there."
+def compile(self: StructuredOutputs, params: StructuredOutputsParams) -> Compiled:
+    "The compiled grammar of a constraint, from the cache when it is there."
     key = cache_key(params.validate())
     with self._lock:  # the lock guards the cache, not the compile: a slow schema blocks no other thread
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
     kind, text, no_whitespace = key
-    try:
-        compiled = self._compile(kind, text, not no_whitespace)
-    except RuntimeError as e:
-        message = _CPP_LOCATION.sub("", str(e)).strip()
-        raise StructuredOutputError(f"{kind} does not compile: {message}", kind) from None
+    compiled = self._compile(kind, text, not no_whitespace)
     with self._lock:
         self.cache[key] = compiled
         if len(self.cache) > self.cache_size:
@@ -223,8 +406,16 @@ def compile(self: StructuredOutputs, params: StructuredOutputsParams):
     return compiled
 
 # %% ../nbs/11_structured_outputs.ipynb #335363c2
+def stop_mask(bitmask: torch.Tensor, row: int, stop_ids: list[int]) -> None:
+    "Write a row that allows the stop tokens only."
+    words = [0] * bitmask.shape[1]
+    for t in stop_ids:
+        words[t // 32] |= 1 << (t % 32)
+    bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words])  # as int32
+
+
 class GrammarState:
-    "Where one sequence is in its grammar: the tokens allowed next, and whether it has ended."
+    "Where one sequence is in its XGrammar grammar: the tokens allowed next, and whether it has ended."
 
     def __init__(self, matcher):
         self.matcher = matcher  # an xgrammar.GrammarMatcher
@@ -232,7 +423,7 @@ class GrammarState:
 
     @property
     def is_finished(self) -> bool:
-        "Whether the grammar has ended: the sequence must stop."
+        "Whether the grammar has ended (its stop token accepted): the sequence must stop."
         return self.matcher.is_terminated()
 
     def accept(self, token: int) -> bool:
@@ -242,43 +433,81 @@ class GrammarState:
         self.num_accepted += 1
         return True
 
-
-@patch
-def matcher(self: StructuredOutputs, compiled) -> GrammarState:
-    "A new sequence's state in a compiled grammar, at its start."
-    return GrammarState(_xgrammar().GrammarMatcher(compiled))
-
-# %% ../nbs/11_structured_outputs.ipynb #b404fbad
-@patch
-def fill_mask(self: GrammarState, bitmask: torch.Tensor, row: int) -> None:
-    "Write the tokens allowed next into `bitmask[row]` (int32 [B, ceil(V / 32)], on the CPU)."
-    if not self.is_finished:
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        "Write the tokens allowed next into `bitmask[row]` (int32 [B, ceil(V / 32)], on the CPU)."
+        if self.is_finished:
+            return stop_mask(bitmask, row, self.matcher.stop_token_ids)
         self.matcher.fill_next_token_bitmask(bitmask, row)
-        return
-    words = [0] * bitmask.shape[1]
-    for t in self.matcher.stop_token_ids:
-        words[t // 32] |= 1 << (t % 32)
-    bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words])  # as int32
+
+    def fork(self) -> GrammarState:
+        "An independent copy of this state (for a sequence forked from this one)."
+        twin = GrammarState(self.matcher.fork())
+        twin.num_accepted = self.num_accepted
+        return twin
+
+# %% ../nbs/11_structured_outputs.ipynb #cc7b55a2
+class GuidanceState(GrammarState):
+    "Where one sequence is in its llguidance grammar: the same interface as `GrammarState`."
+
+    def __init__(self, matcher, stop_ids: list[int]):
+        super().__init__(matcher)  # an llguidance.LLMatcher
+        self.stop_ids, self.ended = stop_ids, False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.ended
+
+    def accept(self, token: int) -> bool:
+        if self.ended or not self._allows(token):
+            return False
+        if not self.matcher.is_stopped():
+            assert self.matcher.consume_token(token), self.matcher.get_error()
+        self.num_accepted += 1
+        self.ended = token in self.stop_ids
+        return True
+
+    def _allows(self, token: int) -> bool:
+        "Whether `token` may come next (a stopped matcher allows the stop tokens, and says nothing of them)."
+        if self.matcher.is_stopped():
+            return token in self.stop_ids
+        return self.matcher.validate_tokens([token]) == 1
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.ended:
+            return stop_mask(bitmask, row, self.stop_ids)
+        words = bitmask[row]  # a contiguous row of int32: llguidance writes it in place
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+    def fork(self) -> GuidanceState:
+        twin = GuidanceState(self.matcher.deep_copy(), self.stop_ids)
+        twin.num_accepted, twin.ended = self.num_accepted, self.ended
+        return twin
 
 
 @patch
-def fork(self: GrammarState) -> GrammarState:
-    "An independent copy of this state (for a sequence forked from this one)."
-    twin = GrammarState(self.matcher.fork())
-    twin.num_accepted = self.num_accepted
-    return twin
+def matcher(self: StructuredOutputs, compiled: Compiled) -> GrammarState:
+    "A new sequence's state in a compiled grammar, at its start."
+    if compiled.backend == "guidance":
+        matcher = _llguidance().LLMatcher(self.guidance, compiled.grammar, log_level=0)
+        return GuidanceState(matcher, list(self.tokenizer.eos_token_ids))
+    return GrammarState(_xgrammar().GrammarMatcher(compiled.grammar))
 
 # %% ../nbs/11_structured_outputs.ipynb #17f2dec9
+def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    "In place: -inf on `logits[rows[k]]` wherever `bitmask[k]` has a 0 bit."
+    bits = np.unpackbits(bitmask.astype("<i4").view(np.uint8), axis=1, bitorder="little")
+    forbid = torch.from_numpy(bits[:, : logits.shape[-1]] == 0).to(logits.device, non_blocking=True)
+    for k, i in enumerate(rows):
+        logits[i].masked_fill_(forbid[k], float("-inf"))
+
+
 def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None]) -> None:
     "In place: -inf on logits [B, V] of the tokens each row's grammar forbids next (None: row untouched)."
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return
-    xgr = _xgrammar()
-    shape = xgr.get_bitmask_shape(len(states), logits.shape[-1])  # [B, ceil(V / 32)]
-    # every bit set: all allowed (numpy fills in µs; torch.full took ms on a 2-thread CPU)
-    bitmask = torch.from_numpy(np.full(shape, -1, dtype=np.int32))
+    bitmask = np.full((len(states), (logits.shape[-1] + 31) // 32), -1, dtype=np.int32)  # all allowed
+    words = torch.from_numpy(bitmask)  # the same memory, for the states to write
     for i in rows:
-        states[i].fill_mask(bitmask, i)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        states[i].fill_mask(words, i)
+    apply_bitmask(logits, bitmask[rows], rows)

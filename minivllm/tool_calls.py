@@ -15,8 +15,9 @@ from fastcore.basics import patch
 from .structured import MAX_WHITESPACE, StructuredOutputsParams
 
 # %% auto #0
-__all__ = ['TOOL_CALL_START', 'TOOL_CALL_END', 'ToolCallError', 'Function', 'check_tools', 'resolve_tool_choice',
-           'tool_call_grammar', 'new_call_id', 'parse_call', 'ToolCall', 'ToolCallParser', 'parse_tool_calls']
+__all__ = ['TOOL_CALL_START', 'TOOL_CALL_END', 'HEAD', 'HEAD_SO_FAR', 'BARE_OPEN', 'BARE_SO_FAR', 'ToolCallError', 'Function',
+           'check_tools', 'resolve_tool_choice', 'tool_call_grammar', 'new_call_id', 'parse_call', 'ToolCall',
+           'ToolCallDelta', 'JsonScan', 'ToolCallParser', 'parse_tool_calls']
 
 # %% ../nbs/12_tool_calls.ipynb #081c68dc
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # Qwen2.5's (hermes) tags
@@ -157,22 +158,95 @@ class ToolCall:
         }
 
 
-def _partial_start(text: str) -> int:
-    "Length of the longest end of `text` that is a proper beginning of `<tool_call>`."
-    for n in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
-        if TOOL_CALL_START.startswith(text[-n:]):
+@dataclass
+class ToolCallDelta:
+    "A streamed piece of call `index`: the first names the call, the others add to its arguments."
+
+    index: int
+    arguments: str = ""
+    call: ToolCall | None = None  # on the first piece only: the call it starts
+
+    def to_dict(self) -> dict:
+        "OpenAI's `delta.tool_calls` entry."
+        if self.call is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        first = self.call.to_dict()
+        first["function"]["arguments"] = self.arguments
+        return {"index": self.index, **first}
+
+
+def _partial_start(text: str, tag: str = TOOL_CALL_START) -> int:
+    "Length of the longest end of `text` that is a proper beginning of `tag`."
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
 # %% ../nbs/12_tool_calls.ipynb #67db90fb
-class ToolCallParser:
-    "Text in, in pieces of any size; out: content and whole tool calls, the same however the text was cut."
+def _literal(s: str) -> tuple[str, str]:
+    "(full, any proper prefix) regexes of the fixed text `s`."
+    return re.escape(s), "(?:" + "|".join(re.escape(s[:k]) for k in range(len(s))) + ")"
 
-    def __init__(self):
-        self.pending = ""  # text not decided yet: a possible start of a block, or an open block
-        self.in_call = False
+
+_WS = (r"\s*", r"\s*")
+_HEAD_PIECES = [
+    _WS, _literal("{"), _WS, _literal('"name"'), _WS, _literal(":"), _WS,
+    (r'"(?P<name>[A-Za-z0-9_-]{1,64})"', r'(?:"[A-Za-z0-9_-]{0,64})?'), _WS, _literal(","), _WS,
+    (r'"(?:arguments|parameters)"', _literal('"arguments"')[1] + "|" + _literal('"parameters"')[1]),
+    _WS, _literal(":"), _WS, _literal("{"),
+]
+
+
+def _prefixes(pieces: list[tuple[str, str]]) -> str:
+    "A regex of every beginning of the pieces written in order."
+    if not pieces:
+        return ""
+    (full, part), rest = pieces[0], pieces[1:]
+    return f"(?:{full}{_prefixes(rest)}|(?:{part}))"
+
+
+HEAD = re.compile("".join(full for full, _ in _HEAD_PIECES))  # up to the `{` that opens the arguments
+HEAD_SO_FAR = re.compile(_prefixes(_HEAD_PIECES))  # text that may still become a HEAD
+BARE_OPEN = re.compile(r"\s*(?:```(?:json)?[ \t]*\n\s*)?[\[{]")  # a bare call's start, perhaps in a fence
+BARE_SO_FAR = re.compile(r"\s*(?:`{1,2}|```(?:j|js|jso|json)?[ \t]*(?:\n\s*)?)?")  # may still become one
+
+# %% ../nbs/12_tool_calls.ipynb #216d0d7e
+class JsonScan:
+    "Where a JSON text stands, read a character at a time: nesting depth, inside a string or not."
+
+    def __init__(self, depth: int = 0):
+        self.depth, self.in_string, self.escaped = depth, False, False
+
+    def until_closed(self, text: str) -> int | None:
+        "Read `text`; the length read when the depth falls back to 0 (then stop), else None."
+        for i, ch in enumerate(text):
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+# %% ../nbs/12_tool_calls.ipynb #e3309d47
+class ToolCallParser:
+    "Text in, in pieces of any size; out: content and the calls' pieces, the same however the text was cut."
+
+    def __init__(self, names: list[str] | None = None, parallel: bool = True):
+        self.names = names  # the request's functions: bare JSON calls of them are calls too (None: tags only)
+        self.parallel = parallel  # False: calls after the first are dropped
+        self.pending = ""  # text not decided yet
+        self.mode = "text"  # text, head (of a call), args, tail (after the arguments), block (no head)
+        self.tagged = self.in_list = self.said = False  # said: content other than whitespace went out
+        self.opening, self.fenced = "", False  # what came before a bare call: whitespace, a code fence
         self.space = ""  # whitespace at the end of the content, held until more content follows
         self.calls: list[ToolCall] = []
+        self.current: ToolCall | None = None  # the call being read (None: a dropped one)
+        self.scan = JsonScan()
 
     def _content(self, text: str, events: list) -> None:
         "Pass content on, holding back its trailing whitespace."
@@ -180,60 +254,154 @@ class ToolCallParser:
         kept = len(text.rstrip())
         if kept:
             events.append(text[:kept])
+            self.said = True
         self.space = text[kept:]
 
-    def _block(self, block: str, events: list) -> None:
-        "A closed block: a call if its JSON is one, else content as written."
-        parsed = parse_call(block[len(TOOL_CALL_START) : -len(TOOL_CALL_END)])
-        if parsed is None:
-            self._content(block, events)
-            return
-        self.calls.append(ToolCall(*parsed))
-        events.append(self.calls[-1])
+    def _call(self, name: str, arguments: str, events: list) -> ToolCall | None:
+        "Start a call (None, and nothing sent, for a second call when calls may not be parallel)."
+        if self.calls and not self.parallel:
+            return None
+        self.calls.append(ToolCall(name, arguments))
+        events.append(ToolCallDelta(len(self.calls) - 1, arguments, self.calls[-1]))
+        return self.calls[-1]
 
 # %% ../nbs/12_tool_calls.ipynb #8ec0ec07
 @patch
-def feed(self: ToolCallParser, text: str) -> list[str | ToolCall]:
-    "Read more text; the content pieces and calls it completes."
-    self.pending += text
-    events = []
-    while True:
-        if not self.in_call:
-            start = self.pending.find(TOOL_CALL_START)
-            if start < 0:
-                cut = len(self.pending) - _partial_start(self.pending)
-                self._content(self.pending[:cut], events)
-                self.pending = self.pending[cut:]
-                return events
-            self._content(self.pending[:start], events)
-            self.pending, self.in_call = self.pending[start:], True
-        end = self.pending.find(TOOL_CALL_END)
-        again = self.pending.find(TOOL_CALL_START, len(TOOL_CALL_START))
-        if again >= 0 and (
-            end < 0 or again < end
-        ):  # a block opened before this one closed: this one was none
-            self._content(self.pending[:again], events)
-            self.pending = self.pending[again:]
-            continue
-        if end < 0:
-            return events
-        end += len(TOOL_CALL_END)
-        self._block(self.pending[:end], events)
-        self.pending, self.in_call = self.pending[end:], False
+def _text(self: ToolCallParser, events: list) -> bool:
+    "Content until a `<tool_call>` tag, or a bare call at the start; False when more text is needed."
+    bare = self.names and not self.said  # only calls and whitespace so far: JSON may be a call
+    m = BARE_OPEN.match(self.pending) if bare else None
+    if m:
+        self.opening, self.fenced = self.pending[: m.end() - 1], "`" in self.pending[: m.end()]
+        self.in_list = self.pending[m.end() - 1] == "["
+        self.pending, self.mode, self.tagged = self.pending[m.end() - 1 :], "head", False
+        return True
+    if bare and BARE_SO_FAR.fullmatch(self.pending):
+        return False  # whitespace, or the start of a fence: a bare call may still come
+    start = self.pending.find(TOOL_CALL_START)
+    if start < 0:
+        cut = len(self.pending) - _partial_start(self.pending)
+        self._content(self.pending[:cut], events)
+        self.pending = self.pending[cut:]
+        return False
+    self._content(self.pending[:start], events)
+    self.pending, self.mode, self.tagged = self.pending[start:], "head", True
+    return True
 
 
 @patch
-def finish(self: ToolCallParser) -> list[str | ToolCall]:
-    "The end of the text: what is still pending, as content."
+def _head(self: ToolCallParser, events: list) -> bool:
+    "The head of a call: start the call, or find that the text is none."
+    skip = len(TOOL_CALL_START) if self.tagged else int(self.pending.startswith("["))
+    m = HEAD.match(self.pending, skip)
+    if m and (self.tagged or m["name"] in self.names):
+        self.current = self._call(m["name"], "", events)
+        self.pending, self.mode, self.scan = self.pending[m.end() - 1 :], "args", JsonScan()
+        return False  # the call's first delta goes out alone: its arguments follow with the next piece
+    if not m and HEAD_SO_FAR.fullmatch(self.pending, skip):
+        return False  # it may still be a call
+    self.mode = "block" if self.tagged else "text"  # a tagged block may still be a call of another shape
+    if not self.tagged:  # the answer is no bare call, and no later JSON is one
+        self.names, self.pending = None, self.opening + self.pending
+    return True
+
+# %% ../nbs/12_tool_calls.ipynb #3a186937
+@patch
+def _args(self: ToolCallParser, events: list) -> bool:
+    "The arguments, sent on as they come, until their object closes."
+    n = self.scan.until_closed(self.pending)
+    piece = self.pending[: n or len(self.pending)]
+    if piece and self.current is not None:
+        self.current.arguments += piece
+        events.append(ToolCallDelta(len(self.calls) - 1, piece))
+    self.pending = self.pending[len(piece) :]
+    if n is None:
+        return False
+    self.mode, self.scan = "tail", JsonScan(depth=1)  # inside the call's object still
+    return True
+
+
+@patch
+def _tail(self: ToolCallParser, events: list) -> bool:
+    "The rest of the call: its object's end, then `</tool_call>`, or the next call of a bare list."
+    if self.scan.depth > 0:
+        n = self.scan.until_closed(self.pending)
+        self.pending = self.pending[n or len(self.pending) :]
+        if n is None:
+            return False
+    if self.tagged:
+        end = self.pending.find(TOOL_CALL_END)
+        if end < 0:
+            return False
+        self.pending, self.mode = self.pending[end + len(TOOL_CALL_END) :], "text"
+        return True
+    rest = self.pending.lstrip()
+    if self.in_list and not rest:
+        return False
+    if self.in_list and rest[0] in ",]":
+        self.in_list = rest[0] == ","
+        self.pending, self.mode = rest[1:], "head" if self.in_list else "text"
+        return True
+    if self.fenced and "```".startswith(rest[:3]):
+        if len(rest) < 3:
+            return False  # the closing fence may still come
+        self.pending, self.fenced = rest[3:], False
+    self.mode = "text"
+    return True
+
+# %% ../nbs/12_tool_calls.ipynb #e708a7d1
+@patch
+def _block(self: ToolCallParser, events: list) -> bool:
+    "A tagged block without a head: one call once closed if its JSON is one (as `parse_call` reads it)."
+    end = self.pending.find(TOOL_CALL_END)
+    again = self.pending.find(TOOL_CALL_START, len(TOOL_CALL_START))
+    if again >= 0 and (end < 0 or again < end):  # a block opened before this one closed: this one was none
+        self._content(self.pending[:again], events)
+        self.pending, self.mode = self.pending[again:], "head"
+        return True
+    if end < 0:
+        return False
+    end += len(TOOL_CALL_END)
+    block, self.pending, self.mode = self.pending[:end], self.pending[end:], "text"
+    parsed = parse_call(block[len(TOOL_CALL_START) : -len(TOOL_CALL_END)])
+    if parsed is None:
+        self._content(block, events)
+    else:
+        self._call(*parsed, events)
+    return True
+
+
+_STEPS = {"text": "_text", "head": "_head", "args": "_args", "tail": "_tail", "block": "_block"}
+
+
+@patch
+def feed(self: ToolCallParser, text: str) -> list[str | ToolCallDelta]:
+    "Read more text; the content pieces and call pieces it completes."
+    self.pending += text
     events = []
-    self._content(self.pending, events)
-    self.pending, self.in_call, self.space = "", False, ""
+    while getattr(self, _STEPS[self.mode])(events):
+        pass
+    return events
+
+
+@patch
+def finish(self: ToolCallParser) -> list[str | ToolCallDelta]:
+    "The end of the text: an unfinished head or block is content; a call cut in its arguments stays a call."
+    events, before = [], None
+    while before != (self.mode, self.pending):  # read on what waited behind a call's first delta
+        before = (self.mode, self.pending)
+        events += self.feed("")
+    if self.mode in ("text", "head", "block"):
+        self._content(self.pending, events)
+    self.pending, self.mode, self.space = "", "text", ""
     return events
 
 # %% ../nbs/12_tool_calls.ipynb #867441dd
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, names: list[str] | None = None, parallel: bool = True
+) -> tuple[str | None, list[ToolCall]]:
     "(content or None, calls) of a whole answer."
-    parser = ToolCallParser()
+    parser = ToolCallParser(names, parallel)
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
     return content or None, parser.calls

@@ -277,7 +277,8 @@ REPORT = {"type": "json_schema", "json_schema": {"name": "Report", "schema": {
 
 def test_two_turn_tool_loop(server, client):
     "The model calls get_weather with valid arguments (whole and streamed alike), reads the result, and answers."
-    kw = dict(model="minivllm", tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, temperature=0)
+    kw = dict(model="minivllm", tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, temperature=0,
+              parallel_tool_calls=False)  # left free, the model calls get_time too, then get_weather again
 
     async def streamed(ac):
         return reassemble([c async for c in await ac.chat.completions.create(messages=QUESTION, stream=True, **kw)])
@@ -315,3 +316,62 @@ def test_named_tool_choice_calls_that_function(client):
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
     jsonschema.validate(json.loads(calls[0].function.arguments), TIME["function"]["parameters"])
+
+
+# --- tool_choice "auto": the bundled model's bare JSON calls, arguments streamed token by token ------------------
+def streamed_chunks(client, **kw) -> list:
+    return list(client.chat.completions.create(stream=True, **kw))
+
+
+def test_auto_reads_the_bundled_models_bare_calls_and_streams_their_arguments(client):
+    kw = dict(model="minivllm", tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+              messages=[{"role": "user", "content": "What is the weather in Tokyo?"}])
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Tokyo"
+    chunks = streamed_chunks(client, **kw)
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    first, rest = deltas[0], deltas[1:]
+    assert first.id and first.type == "function" and first.function.name == "get_weather"
+    assert first.function.arguments == "" and all(d.id is None and d.function.name is None for d in rest)
+    assert len(rest) >= 5  # token by token, not the whole call at once
+    assert "".join(d.function.arguments for d in rest) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    print(f"{len(rest)} argument deltas: {[d.function.arguments for d in rest]}")
+
+
+@pytest.mark.parametrize("question", ["Write a haiku about the sea.", "Explain what a mutex is in one sentence.",
+                                      "What does HTTP stand for?"])
+def test_auto_answers_in_words_when_no_tool_is_needed(client, question):
+    r = client.chat.completions.create(model="minivllm", tools=[WEATHER, TIME], max_tokens=40, temperature=0,
+                                       messages=[{"role": "user", "content": question}])
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content
+
+
+def test_auto_with_a_response_format_keeps_json_as_the_answer(client):
+    "With a response_format the answer is JSON of that schema, even one shaped like a call: content, not a call."
+    call_like = {"type": "json_schema", "json_schema": {"name": "call", "schema": {
+        "type": "object", "properties": {"name": {"enum": ["get_weather"]},
+                                         "arguments": {"type": "object", "properties": {"city": {"enum": ["Tokyo"]}},
+                                                       "required": ["city"]}},
+        "required": ["name", "arguments"]}}}
+    r = client.chat.completions.create(model="minivllm", tools=[WEATHER], max_tokens=40, temperature=0,
+                                       response_format=call_like,
+                                       messages=[{"role": "user", "content": "What is the weather in Tokyo?"}])
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert json.loads(r.choices[0].message.content)["name"] == "get_weather"
+
+
+def test_parallel_tool_calls_false_holds_in_auto_and_required(client):
+    "Asked for two things, the model may call twice; with parallel_tool_calls false every choice has one call."
+    q = [{"role": "user", "content": "What is the weather in Paris and what time is it in Tokyo?"}]
+    for choice in ("auto", "required"):
+        r = client.chat.completions.create(model="minivllm", messages=q, tools=[WEATHER, TIME], tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0.8, n=4, seed=1)
+        for c in r.choices:
+            assert len(c.message.tool_calls or []) <= 1, c
+        assert any(c.message.tool_calls for c in r.choices)

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from minivllm.engine import CompletionOutput
 from minivllm.server import ResponseBuilder
-from minivllm.structured import StructuredOutputs, apply_grammar_masks
-from minivllm.tool_calls import (ToolCall, ToolCallError, ToolCallParser, check_tools, parse_tool_calls,
+from minivllm.structured import StructuredOutputs, StructuredOutputsParams, apply_grammar_masks
+from minivllm.tool_calls import (ToolCall, ToolCallDelta, ToolCallError, ToolCallParser, check_tools, parse_tool_calls,
                                  resolve_tool_choice, tool_call_grammar)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -33,14 +33,18 @@ PIECES = st.sampled_from(["Hello", " ", "\n", "<", "<tool", "<tool_call", "2 < 3
                           "<tool_call>\n{not json}\n</tool_call>", '<tool_call>{"name": "f", "arg', "é", "🙂"])
 
 
-def events_of(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
-    parser, events = ToolCallParser(), []
+def events_of(text: str, cuts: list[int], names: list[str] | None = None) -> tuple[str, list[tuple[str, str]]]:
+    "Content and (name, arguments) of the calls of `text` fed in pieces cut at `cuts`, from the deltas alone."
+    parser, events = ToolCallParser(names), []
     bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
     for a, b in zip(bounds, bounds[1:]):
         events += parser.feed(text[a:b])
     events += parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
-    return content, [(e.name, e.arguments) for e in events if isinstance(e, ToolCall)]
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    names_ = [d.call.name for d in deltas if d.call is not None]
+    args = ["".join(d.arguments for d in deltas if d.index == i) for i in range(len(names_))]
+    return content, list(zip(names_, args))
 
 
 @settings(max_examples=300, deadline=None)
@@ -50,6 +54,19 @@ def test_streamed_events_equal_the_whole_answer(pieces, cuts):
     content, calls = parse_tool_calls(text)
     assert events_of(text, cuts) == (content or "", [(c.name, c.arguments) for c in calls])
     assert "<tool_call>\n{\"name\": \"get_weather\"" not in (content or "")  # a whole call never leaks as text
+
+
+BARE_PIECES = st.sampled_from([" ", "\n", "[", "]", ", ", "{", "}", '"', "Hi", "```", "```json\n", "`", '{"name": "get_weather", ',
+                               '"arguments": {"city": "P\\"}a', '{"name": "get_time", "arguments": {}}', "{\"a\": 1}",
+                               '{"name": "get_news", "arguments": {}}', CALL, "<tool_call>", "é"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(BARE_PIECES, max_size=10), st.lists(st.integers(0, 10_000), max_size=8))
+def test_streamed_bare_calls_equal_the_whole_answer(pieces, cuts):
+    text = "".join(pieces)
+    content, calls = parse_tool_calls(text, ["get_weather", "get_time"])
+    assert events_of(text, cuts, ["get_weather", "get_time"]) == (content or "", [(c.name, c.arguments) for c in calls])
 
 
 def test_parse_tool_calls():
@@ -120,26 +137,91 @@ def test_modes_without_a_grammar():
 
 
 # --- the response: streamed deltas reassemble into the whole message ---------------------------------------------
-def test_streamed_tool_call_deltas_equal_the_whole_message(tiny):
-    _, tok = tiny
-    text = f"Let me see.\n{CALL}\n" + CALL.replace("Paris", "Oslo")
-    whole = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=True)
-    msg, finish = whole.message(CompletionOutput(0, text, [1], "stop"))
-    assert finish == "tool_calls" and msg["content"] == "Let me see." and len(msg["tool_calls"]) == 2
-    stream = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=True)
-    content, calls, last = "", {}, None
-    for i in range(0, len(text), 4):
-        done = i + 4 >= len(text)
-        c = CompletionOutput(0, text[: i + 4], [1], "stop" if done else None, delta_text=text[i : i + 4])
-        ch = stream.delta(0, c, 0)
+def stream_deltas(builder, text: str, step: int) -> tuple[str, list[dict], list[dict], str | None]:
+    "Feed `text` to a builder `step` characters at a time: content, calls put together, raw deltas, finish."
+    content, calls, raw, last = "", {}, [], None
+    for i in range(0, len(text), step):
+        done = i + step >= len(text)
+        c = CompletionOutput(0, text[: i + step], [1], "stop" if done else None, delta_text=text[i : i + step])
+        ch = builder.delta(0, c, 0)
         if ch is None:
             continue
         content += ch["delta"].get("content", "")
         for tc in ch["delta"].get("tool_calls", []):
-            calls[tc["index"]] = tc
-        last = ch["finish_reason"]
+            raw.append(tc)
+            call = calls.setdefault(tc["index"], {"id": tc.get("id"), "name": tc.get("function", {}).get("name"),
+                                                  "arguments": ""})
+            call["arguments"] += tc["function"]["arguments"]
+        last = ch["finish_reason"] or last
+    return content, [calls[k] for k in sorted(calls)], raw, last
+
+
+READ = {"names": None, "parallel": True}
+
+
+def test_streamed_tool_call_deltas_equal_the_whole_message(tiny):
+    _, tok = tiny
+    text = f"Let me see.\n{CALL}\n" + CALL.replace("Paris", "Oslo")
+    whole = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=READ)
+    msg, finish = whole.message(CompletionOutput(0, text, [1], "stop"))
+    assert finish == "tool_calls" and msg["content"] == "Let me see." and len(msg["tool_calls"]) == 2
+    content, calls, raw, last = stream_deltas(ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=READ), text, 4)
     assert content == msg["content"] and last == "tool_calls"
-    assert [calls[k]["function"] for k in sorted(calls)] == [c["function"] for c in msg["tool_calls"]]
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c["function"]["name"], c["function"]["arguments"])
+                                                            for c in msg["tool_calls"]]
+    # OpenAI's shape: a first delta with id, type, name and empty arguments, then pieces of arguments only
+    firsts = [d for d in raw if "id" in d]
+    assert len(firsts) == 2 and all(d["type"] == "function" and d["function"]["arguments"] == "" for d in firsts)
+    pieces = [d for d in raw if "id" not in d]
+    assert len(pieces) > 4 and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                                   for d in pieces)
+
+
+BARE = '{"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}}'
+
+
+@pytest.mark.parametrize("text, names, called", [
+    (BARE, ["get_weather"], True),
+    ("\n" + BARE + "\n", ["get_weather", "get_time"], True),
+    (f"[{BARE}, {BARE}]", ["get_weather"], True),
+    (BARE, None, False),  # not auto, or auto with a response_format: JSON is the answer
+    (BARE, ["get_time"], False),  # names no tool of the request
+    (f"Call it like this: {BARE}", ["get_weather"], False),
+    (f"```json\n{BARE}\n```", ["get_weather"], True),  # the whole answer a fenced call: the bundled model's habit
+    (f"```\n[{BARE}]\n```\n", ["get_weather"], True),
+    ("```json\n{\"city\": \"Tokyo\"}\n```", ["get_weather"], False),
+    ("```python\nprint({'name': 1})\n```", ["get_weather"], False),
+    (f"{BARE}\nThat is the call.", ["get_weather"], True),
+    ('{"name": "get_weather", "arguments": "Tokyo"}', ["get_weather"], False),
+    ('{"city": "Tokyo", "temperature": 18}', ["get_weather"], False),
+    ("It is sunny in Tokyo.", ["get_weather"], False),
+])
+def test_bare_json_calls_whole_and_streamed(tiny, text, names, called):
+    _, tok = tiny
+    read = {"names": names, "parallel": True}
+    msg, finish = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read).message(
+        CompletionOutput(0, text, [1], "stop"))
+    assert (finish == "tool_calls") == called and bool(msg.get("tool_calls")) == called
+    assert called or msg["content"] == text
+    for step in (1, 3, 7):
+        content, calls, _, last = stream_deltas(ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read),
+                                                text, step)
+        assert (content or None, last) == (msg["content"], finish)
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tiny):
+    _, tok = tiny
+    text = f"{CALL}\n" + CALL.replace("Paris", "Oslo")
+    for read in ({"names": None, "parallel": False}, {"names": ["get_weather"], "parallel": False}):
+        msg, finish = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read).message(
+            CompletionOutput(0, text, [1], "stop"))
+        assert finish == "tool_calls" and [json.loads(c["function"]["arguments"])["city"]
+                                           for c in msg["tool_calls"]] == ["Paris"]
+        _, calls, _, _ = stream_deltas(ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read), text, 5)
+        assert len(calls) == 1 and json.loads(calls[0]["arguments"])["city"] == "Paris"
+    assert len(parse_tool_calls(f"[{BARE}, {BARE}]", ["get_weather"], parallel=False)[1]) == 1
 
 
 # --- through a server: bad input is a 400, a grammar that ends or max_tokens ends the answer ----------------------
@@ -232,3 +314,36 @@ def test_qwen_template_writes_past_calls_as_json():
     text = chat_prompt(tok, [ChatMessage.model_validate(m) for m in history], True, [WEATHER])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\n12 degrees\n</tool_response>" in text
+
+
+# --- the grammar backend: auto falls back to xgrammar for what llguidance cannot express -------------------------
+TRIGGERED = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+    {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+     "end": "</f>"}]}}
+
+
+def test_auto_backend_picks_xgrammar_for_what_guidance_cannot_express(server, tiny):
+    body = {"messages": MSG, "max_tokens": 8, "structured_outputs": {"structural_tag": json.dumps(TRIGGERED)}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plain = {"messages": MSG, "max_tokens": 4, "response_format": {"type": "json_object"}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=plain, timeout=60).status_code == 200
+    so = StructuredOutputs(tiny[1], 300)  # the same choice, one level down
+    assert so.compile(StructuredOutputsParams(structural_tag=json.dumps(TRIGGERED))).backend == "xgrammar"
+    assert so.compile(StructuredOutputsParams(json_object=True)).backend == "guidance"
+
+
+def test_guidance_backend_says_what_it_cannot_express(tiny):
+    from minivllm.engine import LLMEngine
+    from minivllm.server import BackgroundServer, build_app
+
+    model, tok = tiny
+    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=256, structured_outputs_backend="guidance")
+    with BackgroundServer(build_app(engine, "tiny")) as srv:
+        body = {"messages": MSG, "max_tokens": 8, "structured_outputs": {"structural_tag": json.dumps(TRIGGERED)}}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "guidance backend cannot express" in r.json()["error"]["message"], r.text
+        forced = {"messages": MSG, "max_tokens": 40, "tools": [WEATHER], "tool_choice": "required"}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=forced, timeout=60).status_code == 200
+    with pytest.raises(ValueError, match="must be one of"):
+        StructuredOutputs(tok, 300, backend="outlines")
