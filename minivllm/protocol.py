@@ -285,7 +285,7 @@ def chat_constraint(
     if forced is not None and constraint is not None:
         msg = f"tool_choice {req.tool_choice!r} forces tool calls; it cannot be combined with {param}."
         raise APIError(400, msg, param="tool_choice")
-    reading = {"names": None, "parallel": req.parallel_tool_calls}  # ToolCallParser's arguments (05b)
+    reading = {"names": None, "parallel": req.parallel_tool_calls}  # ToolCallParser's arguments (12)
     if forced is not None:
         return forced, "tools", reading
     if mode == "auto" and constraint is None:  # free text: an answer that is a call's bare JSON is a call
