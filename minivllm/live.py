@@ -20,9 +20,8 @@ from fastcore.basics import patch
 
 from .engine import LLMEngine
 from .paged_cache import BlockManager
-from .protocol import APIError, server_error
+from .protocol import APIError, SSEResponse, server_error
 from .scheduler import ScheduledBatch, Sequence
-from .server import AsyncEngine, OpenAIServing, SSEResponse
 
 log = logging.getLogger("minivllm.live")
 
@@ -108,7 +107,7 @@ class LiveFeed:
 
     def __init__(
         self,
-        aeng: AsyncEngine,
+        aeng: Any,  # the server's AsyncEngine (05): the page plugs into it, live.py imports no server
         interval: float = 0.1,  # seconds between two snapshots at most (about 10 a second)
         max_queued: int = 8,  # snapshots a viewer may have waiting; one more and it is dropped
         max_viewers: int = 32,  # open pages at once; a 503 beyond
@@ -212,7 +211,7 @@ def publish(self: LiveFeed, snap: dict) -> None:
 
 # %% ../nbs/13_live_page.ipynb #7c6263bf
 @patch
-async def events(self: LiveFeed, v: Viewer, serving: OpenAIServing, quiet: float = 1.0) -> AsyncIterator[str]:
+async def events(self: LiveFeed, v: Viewer, serving: Any, quiet: float = 1.0) -> AsyncIterator[str]:
     "A viewer's events: snapshots, and a comment after `quiet` s without one; ends if the server drains."
     while not serving.draining and serving.engine.is_alive:
         try:
@@ -240,7 +239,7 @@ def _until(event: asyncio.Event, receive):
 class LiveResponse(SSEResponse):
     "One viewer's stream; it leaves the feed however the response ends, and ends when the viewer is dropped."
 
-    def __init__(self, feed: LiveFeed, v: Viewer, serving: OpenAIServing):
+    def __init__(self, feed: LiveFeed, v: Viewer, serving: Any):
         super().__init__(feed.events(v, serving), on_close=lambda: feed.leave(v))
         self.viewer = v
         self.headers["Cache-Control"] = "no-store"
@@ -257,7 +256,7 @@ PAGE_HEADERS = {
 }
 
 
-def add_live_routes(app: FastAPI, serving: OpenAIServing, **feed_args) -> LiveFeed:
+def add_live_routes(app: FastAPI, serving: Any, **feed_args) -> LiveFeed:
     "GET / (the page), /live/page.js and /live/page.css, and /live/events (the stream); returns the feed."
     feed = LiveFeed(serving.engine, **feed_args)
     app.state.live = feed

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastcore.basics import patch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,14 +26,32 @@ from .tool_calls import resolve_tool_choice, tool_call_grammar
 log = logging.getLogger("minivllm.protocol")
 
 # %% auto #0
-__all__ = ['log', 'BYTE_DECODER', 'APIError', 'server_error', 'shutting_down', 'StrictModel', 'StreamOptions', 'ContentPart',
-           'ChatMessage', 'JSONSchemaSpec', 'ResponseFormat', 'StructuredOutputsRequest', 'SamplingRequest',
-           'ChatCompletionRequest', 'CompletionRequest', 'TokenizeRequest', 'DetokenizeRequest', 'error_param',
-           'parse_json', 'output_constraint', 'chat_constraint', 'chat_top_logprobs', 'template_tool_calls',
-           'chat_prompt', 'check_token_ids', 'max_token_chars', 'too_long', 'PromptEncoder', 'chat_ids',
-           'completion_ids', 'check_prompt_lengths', 'check_max_tokens', 'openai_sampling', 'sampling_params',
-           'token_bytes', 'chat_logprobs', 'completion_logprobs', 'sse', 'usage', 'ResponseBuilder', 'tool_finish',
-           'Outputs', 'stream_error']
+__all__ = ['log', 'BYTE_DECODER', 'SSEResponse', 'APIError', 'server_error', 'shutting_down', 'StrictModel', 'StreamOptions',
+           'ContentPart', 'ChatMessage', 'JSONSchemaSpec', 'ResponseFormat', 'StructuredOutputsRequest',
+           'SamplingRequest', 'ChatCompletionRequest', 'CompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
+           'error_param', 'parse_json', 'output_constraint', 'chat_constraint', 'chat_top_logprobs',
+           'template_tool_calls', 'chat_prompt', 'check_token_ids', 'max_token_chars', 'too_long', 'PromptEncoder',
+           'chat_ids', 'completion_ids', 'check_prompt_lengths', 'check_max_tokens', 'openai_sampling',
+           'sampling_params', 'token_bytes', 'chat_logprobs', 'completion_logprobs', 'sse', 'usage', 'ResponseBuilder',
+           'tool_finish', 'Outputs', 'stream_error']
+
+# %% ../nbs/05a_protocol.ipynb #b25acfcc
+class SSEResponse(StreamingResponse):
+    "Server-sent events; the stream is closed and `on_close` runs however the response ends."
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None):
+        super().__init__(content)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            if self.on_close is not None:
+                self.on_close()  # also when the stream never started: a client gone before the first byte
 
 # %% ../nbs/05a_protocol.ipynb #d635a04e
 class APIError(Exception):

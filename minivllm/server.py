@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineArgs, EngineStats, LLMEngine, RequestOutput, parse_bytes
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest
-from .protocol import PromptEncoder, ResponseBuilder, SamplingRequest, TokenizeRequest, too_long
+from .protocol import PromptEncoder, ResponseBuilder, SamplingRequest, SSEResponse, TokenizeRequest, too_long
 from .protocol import chat_constraint, chat_ids, chat_top_logprobs, check_token_ids, completion_ids
 from .protocol import output_constraint, parse_json, sampling_params, server_error, shutting_down
 from .protocol import ChatMessage, chat_prompt  # noqa: F401 (imported from here before 05a)
@@ -45,10 +45,10 @@ log = logging.getLogger("minivllm.server")
 
 # %% auto #0
 __all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'available_cores', 'engine_threads', 'AsyncEngine', 'Submission',
-           'Admission', 'EngineMetrics', 'OpenAIServing', 'SSEResponse', 'serving_app', 'BackgroundServer',
-           'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key', 'key_matches',
-           'build_app', 'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser',
-           'build_engine', 'log_engine', 'main', 'in_passing_thread']
+           'Admission', 'EngineMetrics', 'OpenAIServing', 'serving_app', 'BackgroundServer', 'ClientGone', 'collect',
+           'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key', 'key_matches', 'build_app',
+           'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine',
+           'log_engine', 'main', 'in_passing_thread']
 
 # %% ../nbs/05_server.ipynb #fc08f744
 def available_cores() -> int:
@@ -495,24 +495,6 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
 # %% ../nbs/05_server.ipynb #3b602fab
-class SSEResponse(StreamingResponse):
-    "Server-sent events; the stream is closed and `on_close` runs however the response ends."
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None):
-        super().__init__(content)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            if self.on_close is not None:
-                self.on_close()  # also when the stream never started: a client gone before the first byte
-
-
 @patch
 async def generate(
     self: OpenAIServing,
