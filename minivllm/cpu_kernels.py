@@ -40,8 +40,6 @@ from minivllm.paged_cache import (
     PagedBatch,
     BlockTable,
     _decode_blocks,
-    paged_decode_attention,
-    padded_decode_attention,
 )
 from .qwen2 import apply_rotary, Qwen2ForCausalLM, RMSNorm
 from .utils import cache_dir, cpu_flags, cpu_has_bf16, cpuinfo, row_bucket

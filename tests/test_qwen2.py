@@ -19,6 +19,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import minivllm.qwen2 as qwen2
 import minivllm.weights as weights
 import minivllm.cpu_kernels as cpu_kernels
+import minivllm.testing as testing
 import minivllm.utils as utils
 from minivllm.cpu_kernels import RowBuckets, kernels_of
 from minivllm.qwen2 import ContiguousKVCache, ModelLoadError, Qwen2Config, UnsupportedArchitecture
@@ -53,29 +54,8 @@ VOCAB = 269  # the tiny byte-level tokenizer below: 256 bytes + 8 merges + 5 add
 
 
 def tiny_hf(seed: int = 0, **kw) -> HFQwen2ForCausalLM:
-    "A tiny random transformers Qwen2 (fixed seed)."
-    torch.manual_seed(seed)
-    c = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-    )
-    c.update(kw)
-    hf = HFQwen2ForCausalLM(HFQwen2Config(**c)).eval()
-    with torch.no_grad():  # the default init (zero biases, unit norms) would leave those paths untested
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return hf
+    "A tiny random transformers Qwen2 (fixed seed) with the vocabulary of the tokenizer below."
+    return testing.tiny_hf(seed, **({"vocab_size": VOCAB} | kw))
 
 
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
