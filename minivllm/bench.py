@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import importlib
+import inspect
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ import re
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,21 +31,22 @@ import torch
 from fastcore.basics import patch
 
 from .cpu_kernels import cpuinfo
-from .engine import EngineArgs, LLMEngine, SamplingParams
-from .qwen2 import Qwen2Config, Qwen2ForCausalLM
+from .engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from .qwen2 import ContiguousKVCache, Qwen2Config, Qwen2ForCausalLM
 from .runner import load_prepared
 from .weights import Tokenizer, assemble_bundled_gguf, load_model, resolve_model
 from .utils import free_port
 
 # %% auto #0
-__all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'LOG_PATTERNS', 'machine_info', 'describe_machine',
-           'results_dir', 'load_result', 'results_path', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf',
-           'row_flops', 'work_ratio', 'offline_benchmark', 'print_table', 'decode_profile', 'memory_bandwidth',
-           'decode_bytes_per_step', 'serve_benchmark', 'serving_metrics', 'print_serving', 'server_process',
-           'bench_prompts', 'compare_servers', 'Mode', 'parse_mode', 'Clock', 'kernel_info', 'captured_logs',
-           'prefix_share', 'offline_modes', 'llama_server_cmd', 'ours_server_cmd', 'engine_flags', 'ServerRun',
-           'serve_runs', 'one_user_pairs', 'cpu_summary', 'print_cpu_summary', 'shared_prefix_benchmark',
-           'long_prompt_benchmark', 'main']
+__all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'EDIT_FUNCTIONS', 'EDITS', 'WRITING', 'SPECULATIVE',
+           'LOG_PATTERNS', 'machine_info', 'describe_machine', 'results_dir', 'load_result', 'results_path',
+           'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'row_flops', 'work_ratio', 'offline_benchmark',
+           'print_table', 'decode_profile', 'memory_bandwidth', 'decode_bytes_per_step', 'serve_benchmark',
+           'serving_metrics', 'print_serving', 'server_process', 'bench_prompts', 'compare_servers', 'Mode',
+           'parse_mode', 'Clock', 'kernel_info', 'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd',
+           'ours_server_cmd', 'engine_flags', 'speculative_workloads', 'speculative_benchmark', 'llama_one_user',
+           'forward_costs', 'ServerRun', 'serve_runs', 'one_user_pairs', 'cpu_summary', 'print_cpu_summary',
+           'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #ac1e0a3a
 CPU_FLAGS = (
@@ -884,8 +888,203 @@ def engine_flags(args: EngineArgs, skip=("dtype", "quantization")) -> list[str]:
         if isinstance(v, bool):
             out.append(flag if v else "--no-" + flag[2:])
         else:
-            out += [flag, str(v)]
+            out += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]  # a dict: --speculative-config
     return out
+
+# %% ../nbs/06_benchmarks.ipynb #e0a182be
+EDIT_FUNCTIONS = (  # standard-library functions of 30-80 lines: what a code edit holds
+    "textwrap.dedent", "difflib.get_close_matches", "heapq.merge", "json.decoder.py_scanstring",
+    "statistics.median_grouped", "statistics.quantiles", "urllib.parse.urlsplit", "urllib.parse.parse_qsl",
+    "difflib.SequenceMatcher.get_opcodes", "statistics.linear_regression",
+    "fractions.Fraction.limit_denominator",
+    "heapq.nsmallest", "heapq.nlargest", "functools.lru_cache", "shutil.copytree", "random.Random.choices",
+)  # fmt: skip
+EDITS = (
+    "Add type hints to its parameters and return value; change nothing else.",
+    "Remove its docstring and comments; keep every line of code exactly as it is.",
+    "Rename it to snake_case with a `my_` prefix and update any recursive calls; change nothing else.",
+    "Add a short comment above each loop saying what it does; keep the code exactly as it is.",
+)
+WRITING = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe a walk through a busy market in a city you invent.",
+    "Write a letter from a retired astronaut to her grandson about the first time she saw Earth from orbit.",
+    "Explain to a ten-year-old why the sky is blue and sunsets are red.",
+    "Write a persuasive essay on why cities should plant more trees.",
+    "Tell the story of a chess game between two rivals, move by move, in prose.",
+    "Describe the history of the bicycle in a few paragraphs.",
+    "Write a dialogue between a baker and a customer who wants a cake nobody has ever made.",
+    "Explain how vaccines train the immune system.",
+    "Write a travel guide entry for an imaginary island.",
+    "Describe a thunderstorm from the point of view of a cat.",
+    "Write a speech for the opening of a small town library.",
+    "Explain the rules of a board game you invent.",
+    "Write a fable about a fox, a crow and a clock.",
+    "Describe how bread is made, from the field to the table.",
+    "Write a diary entry of a ship's cook on a long voyage.",
+)
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _source_of(name: str) -> str:
+    "The source of a standard-library function named by its dotted path."
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+    for attr in parts[i:]:
+        obj = getattr(obj, attr)
+    return textwrap.dedent(inspect.getsource(obj))
+
+
+def speculative_workloads() -> dict[str, list[list[dict]]]:
+    "Chat requests of the two workloads: 16 code edits (a function, an edit that keeps most of it), 16 free."
+    edits = [
+        f"Here is a Python function:\n\n```python\n{_source_of(f)}```\n\n{EDITS[i % len(EDITS)]} "
+        "Reply with the whole function in one code block."
+        for i, f in enumerate(EDIT_FUNCTIONS)
+    ]
+    as_chat = lambda texts: [[{"role": "user", "content": t}] for t in texts]
+    return {"code edits": as_chat(edits), "free writing": as_chat(WRITING)}
+
+
+def _spec_run(m, tok, chats: list, c: int, max_tokens: int, spec: dict | None, **engine_kw) -> dict:
+    "The chats at concurrency c (c=1: one after another) greedily: seconds, tokens, outputs, drafts."
+    engine = LLMEngine(m, tok, speculative_config=spec, max_num_seqs=max(c, 16), **engine_kw)
+    llm, params = LLM.from_engine(engine), SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.chat(chats[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # kernels set up: untimed
+    counts, t0 = list(engine.spec_counts), time.perf_counter()
+    groups = [[x] for x in chats] if c == 1 else [chats]
+    outs = [o for g in groups for o in llm.chat(g, params, use_tqdm=False)]
+    seconds = time.perf_counter() - t0
+    drafts, drafted, accepted = (a - b for a, b in zip(engine.spec_counts, counts))
+    decode_s = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
+    tokens = [len(o.outputs[0].token_ids) for o in outs]
+    return {
+        "seconds": seconds,
+        "tokens": sum(tokens),
+        "tok_s": sum(tokens) / seconds,
+        "decode_tok_s": (sum(tokens) - len(outs)) / decode_s if c == 1 else None,  # after the first token
+        "drafts": drafts,
+        "drafted": drafted,
+        "accepted": accepted,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
+    }
+
+
+def speculative_benchmark(
+    model: str | None = None, modes=("float32", "int4"), users=(1, 16), max_tokens: int = 256,
+    spec: dict = SPECULATIVE, say=print, **engine_kw,
+) -> list[dict]:  # fmt: skip
+    "Each mode x workload x users, without and with speculation in one run: a row each, with ratios."
+    rows, work = [], speculative_workloads()
+    for mode in map(parse_mode, modes):
+        m, tok, rec = _load_mode(model, mode)
+        for name, chats in work.items():
+            for c in users:
+                todo = chats[: 4 if c == 1 else c]
+                off = _spec_run(m, tok, todo, c, max_tokens, None, **engine_kw)
+                on = _spec_run(m, tok, todo, c, max_tokens, spec, **engine_kw)
+                same = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))
+                row = {"mode": mode.name, "dtype": rec["dtype"], "workload": name, "users": c,
+                       "requests": len(todo), "identical": same, "off": off, "on": on,
+                       "ratio": on["tok_s"] / off["tok_s"],
+                       "acceptance_length": 1 + on["accepted"] / on["drafts"] if on["drafts"] else 1.0,
+                       "acceptance_rate": on["accepted"] / max(on["drafted"], 1)}  # fmt: skip
+                say(f"  {mode.name:8} {name:12} c={c:<3} off {off['tok_s']:6.1f} tok/s, "
+                    f"on {on['tok_s']:6.1f}: "
+                    f"{row['ratio']:.2f}x, acceptance length {row['acceptance_length']:.2f}, identical "
+                    f"{same}/{len(todo)}")  # fmt: skip
+                rows.append(row)
+        m = None
+        gc.collect()
+    return rows
+
+
+def llama_one_user(binary: str, chats: list, max_tokens: int, flags=(), gguf: Path | None = None) -> dict:
+    "llama-server (one slot, `flags` added: its speculation) on the chats one after another, greedy."
+    import httpx
+
+    port = free_port()
+    url, gguf = f"http://127.0.0.1:{port}/v1", gguf or assemble_bundled_gguf()
+    cmd = llama_server_cmd(binary, gguf, port, 1, ctx_per_slot=4096) + list(flags)
+    with server_process(cmd, url) as name:
+        ask = lambda chat, n: httpx.post(
+            url + "/chat/completions",
+            json={"model": name, "messages": chat, "max_tokens": n, "temperature": 0},
+            timeout=900,
+        ).json()
+        ask(chats[0], 4)  # untimed, as ours
+        t0 = time.perf_counter()
+        replies = [ask(chat, max_tokens) for chat in chats]
+        seconds = time.perf_counter() - t0
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    texts = [r["choices"][0]["message"]["content"] for r in replies]
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "flags": list(flags),
+            "texts": texts}  # fmt: skip
+
+
+# %% ../nbs/06_benchmarks.ipynb #c80cdb6d
+def forward_costs(model: Qwen2ForCausalLM, rows=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)) -> dict:
+    "Seconds of a forward of T rows and their logits (best of 3): the least a step of T decode rows costs."
+    out = {}
+    dev = model.lm_head.weight.device
+    with torch.inference_mode():
+        for t in rows:
+            ids, best = torch.zeros(t, dtype=torch.long, device=dev), float("inf")
+            for _ in range(3):
+                meta = ContiguousKVCache(model.config.num_hidden_layers).batch([0], [t])
+                t0 = time.perf_counter()
+                model.compute_logits(model(ids, torch.arange(t, device=dev), meta))
+                best = min(best, time.perf_counter() - t0)
+            out[t] = best
+    return out
+
+
+def _speculative(a: argparse.Namespace) -> dict:
+    "Speculative decoding on and off: forward costs, both workloads at each users, forced on, llama-server."
+    spec, res = json.loads(a.speculative_config), {}
+    costs = {}
+    for mode in map(parse_mode, a.modes):
+        m, tok, rec = _load_mode(a.model, mode)
+        costs[mode.name] = forward_costs(m)
+        m = None
+        gc.collect()
+    res["forward_seconds"] = costs
+    res["rows"] = speculative_benchmark(a.model, a.modes, a.users, a.max_tokens, spec)
+    for r in res["rows"]:  # token ids are the test's (identical), not the record's
+        for k in ("off", "on"):
+            r[k].pop("outputs")
+    m, tok, rec = _load_mode(a.model, parse_mode(a.modes[0]))
+    chats = speculative_workloads()["code edits"][: max(a.users)]
+    forced = _spec_run(m, tok, chats, max(a.users), a.max_tokens, dict(spec, disable_by_batch_size=None))
+    forced.pop("outputs")
+    res["forced_on"], res["spec"] = {"users": max(a.users), **forced}, spec
+    if a.llama_server:
+        res["llama"] = {}
+        for name, chats in speculative_workloads().items():
+            for label, flags in (("off", []), ("on", ["--spec-default"])):
+                r = llama_one_user(a.llama_server, chats[:4], a.max_tokens, flags)
+                res["llama"][f"{name}|{label}"] = r
+                print(f"  llama-server {name:12} c=1 speculation {label:3} {r['tok_s']:6.1f} tok/s")
+    return res
+
+
+def _speculative_parser(sub) -> None:
+    "The `speculative` subcommand's flags."
+    sp = sub.add_parser("speculative", help="n-gram speculative decoding on and off, two workloads (14)")
+    sp.add_argument("--model", default=None, help="default: the bundled model")
+    sp.add_argument("--modes", nargs="+", default=["float32", "int4"])
+    sp.add_argument("--users", type=int, nargs="+", default=[1, 16])
+    sp.add_argument("--max-tokens", type=int, default=256)
+    sp.add_argument("--speculative-config", default=json.dumps(SPECULATIVE))
+    sp.add_argument("--llama-server", default=None, help="a llama-server binary: measured at one user too")
+    sp.add_argument("--json", default=None, help="write the results and the machine here")
+
 
 # %% ../nbs/06_benchmarks.ipynb #a8f259f9
 @dataclass
@@ -1224,6 +1423,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _model_parsers(sub)
     _cpu_parser(sub)
+    _speculative_parser(sub)
     srv = sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming completions")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="the served model's name (default: the first it lists)")
@@ -1393,9 +1593,8 @@ def main(argv: list[str] | None = None) -> None:
     "Command-line entry: offline, profile, features or serve; `--json` writes the results with the machine."
     a = _parser().parse_args(argv)
     print("machine:", describe_machine(machine_info()))
-    run = {"offline": _offline, "profile": _profile, "features": _features, "serve": _serve, "cpu": _cpu}[
-        a.cmd
-    ]
+    run = {"offline": _offline, "profile": _profile, "features": _features, "serve": _serve, "cpu": _cpu}
+    run = (run | {"speculative": _speculative})[a.cmd]
     _write(a, run(a))
 
 # %% ../nbs/06_benchmarks.ipynb #fb359c23

@@ -963,8 +963,8 @@ def kernel_candidates(
     return ks
 
 # %% ../nbs/07_cpu_kernels.ipynb #35033569
-TIME_ROWS = (1, 8, 32, 256)  # rows per call timed: one user, a few, a typical batch and a prefill chunk
-HEAD_ROWS = TIME_ROWS[:3]  # the LM head computes only the rows sampled from: at most a batch
+TIME_ROWS = (1, 2, 8, 32, 256)  # rows timed: one user, one user's draft (14), a few, a batch, a prefill chunk
+HEAD_ROWS = TIME_ROWS[:4]  # the LM head computes only the rows sampled from: at most a batch
 
 
 def _seconds(m: nn.Module, x: torch.Tensor) -> float:
@@ -1342,7 +1342,7 @@ class KernelReport:
         return f"minivllm: linear kernels (cpu, {mode}): {shapes} ({cost})"
 
 # %% ../nbs/07_cpu_kernels.ipynb #5e02c49f
-PLANS_VERSION = 2  # what a kept plan means; plans kept by another version are measured anew
+PLANS_VERSION = 3  # what a kept plan means; plans kept by another version are measured anew
 
 
 def machine_key() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from minivllm.runner import (
 )
 from .weights import Tokenizer
 from .structured import GrammarState, StructuredOutputs, apply_grammar_masks
+from .speculative import SpeculativeConfig, draft_verdicts, make_proposer
 from minivllm.scheduler import (
     SamplingError,
     SamplingParams,
@@ -300,6 +302,7 @@ def __call__(
     seqs: list[Sequence],
     generators: list[torch.Generator | None],
     eos_ids: list[int],
+    drafts: list[int | None] | None = None,  # a drafted token per row to accept or reject (14)
 ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
     "logits: [B, V] float32 -> (token per row, None where not finite; logprobs per row or None). One sync."
     x = _penalized(logits, seqs, eos_ids)  # [B, V]
@@ -314,7 +317,14 @@ def __call__(
         probs = _filtered(x[drawn], [seqs[i].params for i in drawn]).softmax(-1)  # [R, V]
         u = torch.stack([torch.rand((), generator=generators[i] or self.generator, dtype=torch.float64,
                                     device=logits.device) for i in drawn])  # fmt: skip
-        tokens[drawn], finite[drawn] = draw_tokens(probs, u)
+        if drafts is None or all(drafts[i] is None for i in drawn):
+            tokens[drawn], finite[drawn] = draw_tokens(probs, u)
+        else:  # x kept with probability p(x), else a token drawn from p without x (14)
+            x, px, rest = draft_verdicts(probs, [drafts[i] for i in drawn])
+            keep = torch.stack([torch.rand((), generator=generators[i] or self.generator, dtype=torch.float64,
+                                           device=logits.device) for i in drawn]) < px  # fmt: skip
+            drew, fin = draw_tokens(rest, u)
+            tokens[drawn], finite[drawn] = torch.where(keep, x, drew), keep | fin
     got = torch.where(finite, tokens, -1).tolist()  # the one wait for the device
     want = [i for i, (s, t) in enumerate(zip(seqs, got)) if s.params.logprobs is not None and t >= 0]
     lps: list[dict[int, Logprob] | None] = [None] * len(seqs)
@@ -434,6 +444,9 @@ class EngineStats:
     num_steps: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found
+    spec_decode_num_drafts: int = 0  # sequence-steps that checked a draft (14)
+    spec_decode_num_draft_tokens: int = 0  # tokens drafted
+    spec_decode_num_accepted_tokens: int = 0  # of which the model agreed with
 
 
 @dataclass
@@ -485,6 +498,9 @@ class LLMEngine:
         self.structured = StructuredOutputs(  # compiles grammars on first use
             tokenizer, cfg.vocab_size, backend=a.structured_outputs_backend
         )
+        self.speculative = SpeculativeConfig.parse(a.speculative_config)  # None: no drafts (14)
+        self.proposer = make_proposer(self.speculative) if self.speculative else None
+        self.spec_counts = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
         self.requests: dict[str, _Request] = {}
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
@@ -634,25 +650,77 @@ def has_unfinished_requests(self: LLMEngine) -> bool:
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Schedule, run the model and sample, update; returns the requests that progressed."
     t0 = time.perf_counter()
+    self._propose()  # 0. drafts of the next tokens, where speculative decoding is on (14)
     batch = self.scheduler.schedule()  # 1. schedule
     if not batch.items:
         return []
-    sampled, failed = self._run_and_sample(batch)  # 2-3. a token per sequence of batch.sampling
-    self.scheduler.update(batch, sampled)  # 4. update: counts, tokens, forks, token stops
-    outputs = self._outputs(batch, sampled, failed)  # 5. detokenize, stop strings, what is new
+    out = self._run(batch)  # 2. the model: the head's arg-max, or logits, of each sampled position
+    touched = self._sample_and_update(batch, out)  # 3-4. sample, update, detokenize and stop strings
+    outputs = [self._output(r) for r in touched.values()]  # 5. what is new; finished requests leave
     self._account(batch, time.perf_counter() - t0)  # 6. counters, the step log, memory back to the system
     return outputs
 
 
 # %% ../nbs/04_engine.ipynb #5c123d36
 @patch
-def _run_and_sample(
-    self: LLMEngine, batch: ScheduledBatch
-) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-    "Run the model and sample: the head's arg-max where every row wants only that, else the sampler."
+def _run(self: LLMEngine, batch: ScheduledBatch) -> list[int | None] | torch.Tensor:
+    "The forward: the head's arg-max per sampled row where every row wants only that, else logits [R, V]."
     if self._greedy_batch(batch.sampling):
-        return self._take(batch.sampling, self.runner.run_argmax(batch))
-    return self._sample(batch.sampling, self.runner.run(batch))  # forks share their parent's row
+        return self.runner.run_argmax(batch)
+    return self.runner.run(batch)
+
+
+@patch
+def _sample_and_update(self: LLMEngine, batch: ScheduledBatch, out) -> dict[str, _Request]:
+    "A token per sampling sequence into the scheduler and the text; a draft's (14) in rounds while it holds."
+    first, r = {}, 0  # each sampling sequence's first row of `out`: a drafted one has 1 + len(draft)
+    for s in batch.sampling:
+        first[s.seq_id], r = r, r + 1 + len(s.draft)
+    touched: dict[str, _Request] = {}
+    live = batch.sampling
+    for i in itertools.count():  # round i: the token after draft[:i], for the sequences that accepted it
+        sampled, failed = self._sample_rows(live, out, [first[s.seq_id] + i for s in live], i)
+        self.scheduler.update(batch if i == 0 else ScheduledBatch([]), sampled)
+        self._texts(batch, sampled, failed, touched)
+        agreed = [s for s, t in sampled if i < len(s.draft) and t == s.draft[i]]
+        self.spec_counts[2] += len(agreed)
+        live = [s for s in agreed if not s.is_finished]
+        if not live:
+            break
+        for s in live:
+            self.scheduler.accept_draft(s)
+    drafted = [s for s, _ in batch.items if s.draft]
+    self.spec_counts[0] += len(drafted)
+    self.spec_counts[1] += batch.num_drafted
+    self.scheduler.end_drafts(batch)
+    return touched
+
+
+@patch
+def _sample_rows(
+    self: LLMEngine, seqs: list[Sequence], out, rows: list[int], i: int
+) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    "`_take` or `_sample` of these rows of `out`, one per sequence; row i of a draft weighs its token i."
+    if isinstance(out, list):  # the head's arg-max per row
+        return self._take(seqs, [out[r] for r in rows])
+    if rows != list(range(len(out))):
+        out = out[torch.tensor(rows, device=out.device)]
+    return self._sample(seqs, out, [s.draft[i] if i < len(s.draft) else None for s in seqs])
+
+
+@patch
+def _propose(self: LLMEngine) -> None:
+    "Drafts for the running sequences about to decode (14): none above `disable_by_batch_size` of them."
+    if self.proposer is None:
+        return
+    running, limit = self.scheduler.running, self.speculative.disable_by_batch_size
+    decoding = [s for s in running if s.num_computed == s.num_tokens - 1 and not s.forks]
+    if limit is not None and len(running) > limit:
+        decoding = []
+    for s in running:
+        s.draft = []
+    for s, draft in zip(decoding, self.proposer.propose(decoding)):
+        s.draft = list(draft)
 
 
 @patch
@@ -667,10 +735,11 @@ def _account(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
 
 @patch
 def _sample(
-    self: LLMEngine, seqs: list[Sequence], logits: torch.Tensor
+    self: LLMEngine, seqs: list[Sequence], logits: torch.Tensor, drafts: list[int | None] | None = None
 ) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
     "([(sequence, token)] for every row that gave a token, [sequences whose row was not finite])."
-    rows = [(i, s) for i, seq in enumerate(seqs) for s in [seq, *seq.forks]]
+    rows = [(i, s) for i, seq in enumerate(seqs) for s in [seq, *seq.forks]]  # forks share their parent's row
+    drafts = [drafts[i] if drafts else None for i, _ in rows]
     if len(rows) > len(seqs):
         logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]  # [S + forks, V]
     order = [s for _, s in rows]
@@ -680,7 +749,7 @@ def _sample(
     ):  # constrained rows: -inf where their grammar forbids a token
         logits = logits.clone()
         apply_grammar_masks(logits, [t.grammar for t in texts])
-    tokens, lps = self.sampler(logits, order, [t.generator for t in texts], self.eos_ids)
+    tokens, lps = self.sampler(logits, order, [t.generator for t in texts], self.eos_ids, drafts)
     sampled, failed = [], []
     for seq, text, token, lp in zip(order, texts, tokens, lps):
         if token is None:
@@ -751,11 +820,15 @@ def _fail(self: LLMEngine, req: _Request, error: str) -> None:
 
 # %% ../nbs/04_engine.ipynb #4a928ffa
 @patch
-def _outputs(
-    self: LLMEngine, batch: ScheduledBatch, sampled: list[tuple[Sequence, int]], failed: list[Sequence]
-) -> list[RequestOutput]:
-    "Detokenize, check stop strings, and build the outputs of the requests that progressed."
-    now, touched = time.monotonic(), {}
+def _texts(
+    self: LLMEngine,
+    batch: ScheduledBatch,
+    sampled: list[tuple[Sequence, int]],
+    failed: list[Sequence],
+    touched: dict[str, _Request],
+) -> None:
+    "Detokenize, check stop strings; the requests that progressed go into `touched`."
+    now = time.monotonic()
     for seq, _ in batch.items:
         req = self.requests[seq.request_id]
         req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
@@ -775,7 +848,6 @@ def _outputs(
             self._add_text(self.seq_texts[seq.seq_id])
         except Exception as e:  # its grammar or the tokenizer failed on this request's tokens
             self._fail(req, f"its output could not be processed: {type(e).__name__}: {e}")
-    return [self._output(r) for r in touched.values()]
 
 # %% ../nbs/04_engine.ipynb #780fc266
 @patch
@@ -838,6 +910,7 @@ def stats(self: LLMEngine) -> EngineStats:
         self.num_steps,
         bm.prefix_queries,
         bm.prefix_hits,
+        *self.spec_counts,
     )
 
 

@@ -233,6 +233,16 @@ def free(self: BlockManager, table: BlockTable) -> None:
 
 
 @patch
+def trim(self: BlockManager, table: BlockTable, num_tokens: int) -> None:
+    "Keep slots for the first `num_tokens` tokens: the blocks past them go back (a rejected draft's, 14)."
+    keep = self.blocks_for(num_tokens)
+    for b in reversed(table.blocks[keep:]):
+        self.allocator.free(b)
+    del table.blocks[keep:]
+    table.num_tokens = min(table.num_tokens, num_tokens)
+
+
+@patch
 def take_copies(self: BlockManager) -> list[tuple[int, int]]:
     "The copy-on-write pairs recorded since the last call."
     out = self.pending_copies

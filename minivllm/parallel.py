@@ -30,6 +30,7 @@ from fastcore.basics import patch
 from .cpu_kernels import default_decoder
 from minivllm.runner import (
     forward_flat,
+    attention_items,
     RELEASE_EVERY_S,
     EngineArgs,
     FlatBatch,
@@ -393,10 +394,7 @@ class StepInputs:
     def of(cls, batch, copies: list[tuple[int, int]], block_size: int) -> StepInputs:
         "The message of a ScheduledBatch."
         flat = FlatBatch.of(batch)
-        items = []
-        for seq, n in batch.items:
-            c = seq.num_computed
-            items.append((seq.block_table.blocks[: -(-(c + n) // block_size)], c, n))
+        items = [(t.blocks[: -(-(c + n) // block_size)], c, n) for t, c, n in attention_items(batch)]
         return cls(flat.input_ids, flat.positions, items, batch.num_prefill, copies, flat.sample_rows)
 
 # %% ../nbs/10_tensor_parallel.ipynb #3eca6341

@@ -9,6 +9,7 @@ import argparse
 import ctypes
 import dataclasses
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -32,13 +33,25 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
     from minivllm.cuda_graphs import DecodeGraphs
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'parse_bytes', 'EngineArgs', 'FlatBatch', 'forward_flat', 'ModelRunner',
-           'make_decoder', 'uses_cuda_graphs', 'load_prepared', 'warmup_step', 'release_free_memory']
+__all__ = ['ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'json_object', 'parse_bytes', 'EngineArgs', 'FlatBatch', 'attention_items',
+           'forward_flat', 'ModelRunner', 'make_decoder', 'uses_cuda_graphs', 'load_prepared', 'warmup_step',
+           'release_free_memory']
 
 # %% ../nbs/03a_runner.ipynb #14d1850a
 def _opt(default, help: str, **cli):
     "A field with its default, its help line and, in `cli`, how the command line spells it."
     return field(default=default, metadata={"help": help, **cli})
+
+
+def json_object(s: str) -> dict:
+    "A command line's JSON object (`--speculative-config '{...}'`), or an error that says what is wrong."
+    try:
+        value = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {s!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {s!r}")
+    return value
 
 
 def parse_bytes(s: str) -> int:
@@ -114,6 +127,12 @@ class EngineArgs:
         aliases=["--structured-outputs-config.backend", "--guided-decoding-backend"],
         choices=["auto", "guidance", "xgrammar"],
     )
+    speculative_config: dict | None = _opt(
+        None,
+        'speculative decoding (14) as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4}\' (default: none)',
+        type=json_object,
+    )
     seed: int = _opt(0, "seed of the sampler for requests without one")
     log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
 
@@ -171,11 +190,24 @@ class FlatBatch:
         ids, pos, rows = [], [], []
         for seq, n in batch.items:
             c = seq.num_computed
-            ids += seq.token_ids[c : c + n]
+            ids += seq.token_ids[c : c + n] + seq.draft  # a draft (14): the last token, then the guesses
             pos += range(c, c + n)
-            if c + n == seq.num_tokens:
+            if seq.draft:  # each position of a draft samples: the model's token after it is the verdict
+                rows += range(len(ids) - n, len(ids))
+            elif c + n == seq.num_tokens:
                 rows.append(len(ids) - 1)
         return cls(ids, pos, rows)
+
+
+def attention_items(batch: ScheduledBatch) -> list[tuple]:
+    "(block table, tokens cached, new tokens) per attention row: a draft (14) gives a decode row per token."
+    items = []
+    for seq, n in batch.items:
+        if seq.draft:  # row i sees the context and tokens 0..i: what a plain decode at its position sees
+            items += [(seq.block_table, seq.num_computed + i, 1) for i in range(n)]
+        else:
+            items.append((seq.block_table, seq.num_computed, n))
+    return items
 
 # %% ../nbs/03a_runner.ipynb #cd54ce80
 @torch.inference_mode()
@@ -219,7 +251,7 @@ class ModelRunner:
         "Forward the batch; final hidden states [S, hidden], a row per sequence of `batch.sampling`, in turn."
         flat = FlatBatch.of(batch)
         self.cache.copy_blocks(self.block_manager.take_copies())
-        items = [(s.block_table, s.num_computed, n) for s, n in batch.items]
+        items = attention_items(batch)
         if self.graphs is not None and batch.num_prefill == 0 and self.graphs.bucket(len(items)):
             return self.graphs.run(items, flat.input_ids)  # a decode step: every row samples
         return forward_flat(self.model, self.cache, items, batch.num_prefill, flat, self.decoder)

@@ -193,6 +193,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     forks: list[Sequence] = field(default_factory=list)  # siblings to fork off once the prompt is computed
     prompt_hashes: list[int] | None = field(default=None, repr=False)  # its full prompt blocks' (`_admit`)
+    draft: list[int] = field(default_factory=list)  # tokens guessed to come next, checked this step (14)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -265,16 +266,22 @@ class ScheduledBatch:
     @classmethod
     def of(cls, items: list[tuple[Sequence, int]], preempted: list[Sequence] | None = None) -> ScheduledBatch:
         "Order the rows (prefills first) and classify them, once, before anything is computed."
-        # a decode row computes one token after a cached context (so is a 1-token rest of a prefix-cache hit)
-        is_decode = [n == 1 and s.num_computed > 0 for s, n in items]
+        # a decode row computes one token after a cached context (so is a 1-token rest of a prefix-cache hit),
+        # and the tokens of its draft, if it has one (speculative decoding, 14)
+        is_decode = [n == 1 + len(s.draft) and s.num_computed > 0 for s, n in items]
         rows = [it for it, d in zip(items, is_decode) if not d] + [it for it, d in zip(items, is_decode) if d]
-        sampling = [s for s, n in rows if s.num_computed + n == s.num_tokens]
+        sampling = [s for s, n in rows if s.num_computed + n - len(s.draft) == s.num_tokens]
         return cls(rows, len(rows) - sum(is_decode), sampling, preempted or [])
 
     @property
     def num_tokens(self) -> int:
         "Tokens computed by this step's forward."
         return sum(n for _, n in self.items)
+
+    @property
+    def num_drafted(self) -> int:
+        "Drafted tokens this step checks (14)."
+        return sum(len(s.draft) for s, _ in self.items)
 
     @property
     def is_prefill(self) -> bool:
@@ -429,6 +436,7 @@ def preempt(self: Scheduler, seq: Sequence) -> None:
     self.running.remove(seq)
     self.block_manager.free(seq.block_table)
     seq.num_computed = 0
+    seq.draft = []
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
     self.num_preemptions += 1
@@ -449,14 +457,28 @@ def _reserve(self: Scheduler, seq: Sequence, n: int, preempted: list[Sequence]) 
 
 # %% ../nbs/03_scheduler.ipynb #9fd81b49
 @patch
+def _fit_draft(self: Scheduler, seq: Sequence, budget: int) -> int:
+    "Tokens a decode computes: 1, plus the part of its draft (14) within budget, context and max_tokens."
+    p, room = seq.params, self.config.max_model_len - seq.num_tokens - 1  # the model's own token comes last
+    if p.max_tokens is not None:
+        room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+    del seq.draft[max(0, min(room, budget - 1)) :]
+    if seq.draft and not self.block_manager.can_append(seq.block_table, 1 + len(seq.draft)):
+        seq.draft.clear()  # a guess never takes blocks another sequence would have to give up
+    return 1 + len(seq.draft)
+
+
+@patch
 def _schedule_decodes(self: Scheduler) -> ScheduledBatch:
     "One token for every running sequence, preempting from the back when blocks run out."
-    items, preempted = [], []
+    items, preempted, budget = [], [], self.config.max_num_batched_tokens
     i = 0
     while i < len(self.running):
         seq = self.running[i]
-        if self._reserve(seq, 1, preempted):
-            items.append((seq, 1))
+        n = self._fit_draft(seq, budget - (len(self.running) - i - 1))  # a token for each after it
+        if self._reserve(seq, n, preempted):
+            items.append((seq, n))
+            budget -= n
             i += 1
     return ScheduledBatch.of(items, preempted)
 
@@ -468,7 +490,10 @@ def _schedule_chunked(self: Scheduler) -> ScheduledBatch:
     i = 0
     while i < len(self.running) and budget > 0:
         seq = self.running[i]
-        n = min(seq.num_tokens - seq.num_computed, budget)
+        if seq.draft:  # drafts take what the running sequences after this one leave of the budget
+            n = self._fit_draft(seq, budget - (len(self.running) - i - 1))
+        else:
+            n = min(seq.num_tokens - seq.num_computed, budget)
         if self._reserve(seq, n, preempted):
             items.append((seq, n))
             budget -= n
@@ -531,7 +556,7 @@ def token_stop(self: Scheduler, seq: Sequence, token: int) -> tuple[str, int | N
 def update(self: Scheduler, batch: ScheduledBatch, sampled: list[tuple[Sequence, int]]) -> None:
     "After the forward: count computed tokens, publish full blocks, fork, append tokens, stop on tokens."
     for seq, n in batch.items:
-        seq.num_computed += n
+        seq.num_computed += n - len(seq.draft)  # a drafted token counts once it is accepted (14)
         self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
     for seq, token in sampled:
         for child in seq.forks:  # before seq appends its own token: the children share the prompt only
@@ -541,3 +566,19 @@ def update(self: Scheduler, batch: ScheduledBatch, sampled: list[tuple[Sequence,
         stop = self.token_stop(seq, token)
         if stop is not None:
             self.finish(seq, *stop)
+
+
+@patch
+def accept_draft(self: Scheduler, seq: Sequence) -> None:
+    "The drafted token just appended was the model's own (14): its K/V, written this step, now counts."
+    seq.num_computed += 1
+    self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+
+
+@patch
+def end_drafts(self: Scheduler, batch: ScheduledBatch) -> None:
+    "After a step's drafts are checked (14): the slots of rejected tokens go back, and the drafts are spent."
+    for seq, _ in batch.items:
+        if seq.draft and not seq.is_finished:
+            self.block_manager.trim(seq.block_table, seq.num_computed)
+        seq.draft = []

@@ -32,6 +32,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineArgs, EngineStats, LLMEngine, RequestOutput, parse_bytes
+from .speculative import SpeculativeConfig
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from .protocol import PromptEncoder, ResponseBuilder, SamplingRequest, SSEResponse, TokenizeRequest, too_long
 from .protocol import chat_constraint, chat_ids, chat_top_logprobs, check_token_ids, completion_ids
@@ -44,11 +45,11 @@ from .structured import StructuredOutputError, StructuredOutputsParams
 log = logging.getLogger("minivllm.server")
 
 # %% auto #0
-__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'available_cores', 'engine_threads', 'AsyncEngine', 'Submission',
-           'Admission', 'EngineMetrics', 'OpenAIServing', 'serving_app', 'BackgroundServer', 'ClientGone', 'collect',
-           'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key', 'key_matches', 'build_app',
-           'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine',
-           'log_engine', 'main', 'in_passing_thread']
+__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'LOG_STATS_EVERY_S', 'available_cores', 'engine_threads',
+           'AsyncEngine', 'Submission', 'Admission', 'EngineMetrics', 'OpenAIServing', 'serving_app',
+           'BackgroundServer', 'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key',
+           'key_matches', 'build_app', 'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args',
+           'arg_parser', 'build_engine', 'log_engine', 'main', 'in_passing_thread']
 
 # %% ../nbs/05_server.ipynb #fc08f744
 def available_cores() -> int:
@@ -387,14 +388,24 @@ class EngineMetrics:
         queries, hits = "prefix_cache_queries", "prefix_cache_hits"
         self.prefix_cache_queries = self._counter(queries, "Prompt tokens looked up in the cache.")
         self.prefix_cache_hits = self._counter(hits, "Prompt tokens found in the prefix cache.")
+        drafts, drafted, accepted = (
+            f"spec_decode_num_{x}" for x in ("drafts", "draft_tokens", "accepted_tokens")
+        )
+        self.spec_decode_num_drafts = self._counter(drafts, "Drafts checked (14: speculative decoding).")
+        self.spec_decode_num_draft_tokens = self._counter(drafted, "Tokens drafted.")
+        self.spec_decode_num_accepted_tokens = self._counter(accepted, "Drafted tokens accepted.")
         self._counters = (
             self.num_preemptions,
             self.prompt_tokens,
             self.generation_tokens,
             self.prefix_cache_queries,
             self.prefix_cache_hits,
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
         )
         self._seen = (0,) * len(self._counters)  # the engine's totals already counted
+        self._logged, self._logged_at = self._seen, time.monotonic()  # totals at the last periodic log line
         self._add_latencies()
         self._add_server_gauges()
 
@@ -427,11 +438,43 @@ def update(self: EngineMetrics, s: EngineStats) -> None:
         s.generation_tokens,
         s.prefix_cache_queries,
         s.prefix_cache_hits,
+        s.spec_decode_num_drafts,
+        s.spec_decode_num_draft_tokens,
+        s.spec_decode_num_accepted_tokens,
     )
     for c, new, old in zip(self._counters, now, self._seen):
         if new > old:
             c.inc(new - old)
     self._seen = now
+    if time.monotonic() - self._logged_at >= LOG_STATS_EVERY_S:
+        self.log_stats(s)
+
+
+LOG_STATS_EVERY_S = 10.0  # seconds between the engine's log lines while it works (vLLM's interval)
+
+
+@patch
+def log_stats(self: EngineMetrics, s: EngineStats) -> str | None:
+    "vLLM's periodic line: throughput since the last, queues, cache, drafts accepted (14); None when idle."
+    now, dt = self._seen, max(time.monotonic() - self._logged_at, 1e-9)
+    d = [a - b for a, b in zip(now, self._logged)]
+    self._logged, self._logged_at = now, time.monotonic()
+    if not any(d[1:3]):
+        return None  # nothing happened: no line
+    hit = d[4] / d[3] if d[3] else 0.0
+    line = (
+        f"Avg prompt throughput: {d[1] / dt:.1f} tokens/s, "
+        f"Avg generation throughput: {d[2] / dt:.1f} tokens/s, "
+        f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, KV cache usage: "
+        f"{100 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {100 * hit:.1f}%"
+    )
+    if d[5]:  # drafts were checked: vLLM's SpecDecoding line, in the same one
+        line += (
+            f", SpecDecoding: mean acceptance length {1 + d[7] / d[5]:.2f}, "
+            f"accepted {d[7]} of {d[6]} drafted tokens ({100 * d[7] / max(d[6], 1):.1f}%)"
+        )
+    log.info(line)
+    return line
 
 # %% ../nbs/05_server.ipynb #3c5b1b1c
 @patch
@@ -1113,11 +1156,27 @@ def log_engine(aeng: AsyncEngine) -> None:
     limits = (aeng.max_model_len, cfg.max_num_seqs, aeng.num_threads)
     log.info("max_model_len %d, max_num_seqs %d, %d torch threads", *limits)
     log.info("queue: at most %d sequences and %d prompt tokens", adm.max_seqs, adm.max_prompt_tokens)
+    spec = aeng.engine.speculative
+    if spec is not None:
+        limit = spec.disable_by_batch_size
+        log.info(
+            "speculative decoding: %s, up to %d tokens a step from %d..%d-gram lookups, %s",
+            spec.method,
+            spec.num_speculative_tokens,
+            spec.prompt_lookup_max,
+            spec.prompt_lookup_min,
+            f"off above {limit} running sequences" if limit else "at any batch size",
+        )
 
 # %% ../nbs/05_server.ipynb #0a58d950
 def main(argv: list[str] | None = None) -> None:
     "Serve a model: `python -m minivllm.server [--model M] [--port P] ...`; exits 1 if the engine dies."
-    args = arg_parser().parse_args(argv)
+    parser = arg_parser()
+    args = parser.parse_args(argv)
+    try:  # a bad --speculative-config is said before the model loads, not after
+        SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = build_engine(args)
     names = args.served_model_name or ["minivllm" if args.model is None else args.model]

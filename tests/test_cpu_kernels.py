@@ -1,5 +1,6 @@
 """CPU kernels (07_cpu_kernels): int8/int4 linear layers against their dequantized float reference, kernels
 chosen per shape, `prepare_linears` and `load_prepared(quantization=...)` on tiny models, and `dtype="auto"`."""
+import functools
 import ctypes
 import json
 import logging
@@ -34,6 +35,17 @@ from minivllm.weights import load_safetensors_model, resolve_dtype
 
 # Float32 kernels against a float32 reference: rounding only. bfloat16 runs: bfloat16 rounding of the outputs.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+ROWS4 = (1, 8, 32, 256)  # the made-up timings of these tests are at these row counts (07 times 2 rows too)
+plan_at = functools.partial(ck.plan_of, rows=ROWS4)
+
+
+@pytest.fixture(autouse=True)
+def four_timed_row_counts(monkeypatch):
+    "Plans chosen from timings at ROWS4 (the head's at its first three), as the made-up timings below are."
+    monkeypatch.setattr(ck, "TIME_ROWS", ROWS4)
+    monkeypatch.setattr(ck, "HEAD_ROWS", ROWS4[:3])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -652,11 +664,11 @@ def test_choice_is_the_fastest_measured(monkeypatch):
 
 def test_a_tie_at_one_row_goes_to_fewer_bytes():
     secs = {"a": [1.0, 2.0, 3.0], "b": [1.05, 1.0, 1.0], "c": [2.0, 9.0, 9.0]}
-    assert ck.plan_of(secs) == [(1, "b")]  # a tie at one row: the batch's winner, one layout
-    assert ck.plan_of(secs, nbytes={"a": 10, "b": 20, "c": 1}) == [(1, "a"), (8, "b")]  # c is no tie: too slow
-    assert ck.plan_of(secs, nbytes={"a": 20, "b": 20, "c": 1}) == [(1, "b")]  # same bytes: the batch's winner
-    assert ck.plan_of(secs, nbytes={"a": 10, "b": 20}, two=False) == [(1, "b")]  # one layout: least time summed
-    assert ck.plan_of({"a": [1.0, 1.0, 9.0], "b": [1.05, 2.0, 1.0]}, nbytes={"a": 1, "b": 2}) == [(1, "a"), (32, "b")]
+    assert plan_at(secs) == [(1, "b")]  # a tie at one row: the batch's winner, one layout
+    assert plan_at(secs, nbytes={"a": 10, "b": 20, "c": 1}) == [(1, "a"), (8, "b")]  # c is no tie: too slow
+    assert plan_at(secs, nbytes={"a": 20, "b": 20, "c": 1}) == [(1, "b")]  # same bytes: the batch's winner
+    assert plan_at(secs, nbytes={"a": 10, "b": 20}, two=False) == [(1, "b")]  # one layout: least time summed
+    assert plan_at({"a": [1.0, 1.0, 9.0], "b": [1.05, 2.0, 1.0]}, nbytes={"a": 1, "b": 2}) == [(1, "a"), (32, "b")]
     lin = nn.Linear(64, 48)
     assert ck.weight_bytes(Int8Linear.from_linear(lin)) == 64 * 48 + 2 * 48 * 4  # int8 weights, float32 scales, bias
     assert ck.weight_bytes(ck.ShortlistHead.from_linear(lin)) == ck.weight_bytes(Int4Linear.from_linear(lin))
@@ -664,7 +676,8 @@ def test_a_tie_at_one_row_goes_to_fewer_bytes():
 
 def test_time_kernels_gives_every_candidate_a_score():
     lin = nn.Linear(64, 2000)
-    secs = ck.time_kernels({n: make(lin) for n, make in kernel_candidates(lin, "int8").items()}, 64, torch.float32)
+    mods = {n: make(lin) for n, make in kernel_candidates(lin, "int8").items()}
+    secs = ck.time_kernels(mods, 64, torch.float32, ck.TIME_ROWS)
     assert {"int8", "int8/bf16"} <= set(secs) and all(len(v) == len(ck.TIME_ROWS) for v in secs.values())
     assert all(0 < min(v[i] for v in secs.values()) < float("inf") for i in range(len(ck.TIME_ROWS)))
 
@@ -706,7 +719,7 @@ def test_a_plan_of_three_kernels_is_a_chain_of_two_layouts(monkeypatch):
     if "int8/onednn" in got:
         assert plan == [(1, "int8"), (8, "int8/bf16"), (32, "int8/onednn"), (256, "int8/bf16")]
     assert ck.layout_of(got["int8"]) == ck.layout_of(got["int8/bf16"])
-    assert ck.plan_of(secs) == [(1, "int8"), (8, "int8/bf16")]  # each its own layout: no third
+    assert plan_at(secs) == [(1, "int8"), (8, "int8/bf16")]  # each its own layout: no third
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -62,9 +62,25 @@ def gpu_table(results: Path) -> list[str]:
         lines.append(f"| {r['concurrency']} | {r['ours']['tok_s']:,.0f} | {hf:,.0f} | {r['ratio']:.2f}x |")
     return lines
 
+def speculative_line(results: Path) -> list[str]:
+    "Speculative decoding (14) on and off, in one line: the ratio of each mode, workload and number of users."
+    res = json.loads((results / "speculative.json").read_text())
+    m, rows = res["machine"], res["rows"]
+    parts = []
+    for work in ("code edits", "free writing"):
+        for users in (1, 16):
+            got = [f"{r['mode']} {r['ratio']:.2f}x" for r in rows if r["workload"] == work and r["users"] == users]
+            parts.append(f"{work}, {users} user{'s' if users > 1 else ''}: {', '.join(got)}")
+    same, total = sum(r["identical"] for r in rows), sum(r["requests"] for r in rows)
+    k = res["spec"]["num_speculative_tokens"]
+    return [f"**Speculative decoding** (n-gram, up to {k} guessed tokens a step; off above 4 running sequences; "
+            f"{m['cpu']}, {m['date'][:10]}; output tokens/s with over without, [14](nbs/14_speculative.ipynb)): "
+            f"{'; '.join(parts)}; greedy outputs identical in {same} of {total} requests."]
+
+
 def performance(results: Path = ROOT / "nbs" / "results") -> str:
     "The tables that replace PERFORMANCE in index.ipynb, from the committed results."
-    return "\n".join(cpu_table(results) + [""] + gpu_table(results))
+    return "\n".join(cpu_table(results) + [""] + speculative_line(results) + [""] + gpu_table(results))
 
 def render(nb_path: Path = ROOT / "index.ipynb") -> str:
     "README.md's text for the notebook at `nb_path`."
