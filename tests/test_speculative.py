@@ -142,6 +142,32 @@ def test_stops_inside_an_accepted_run(tiny):
             assert len(got[0].token_ids) == len(want[0].token_ids) <= params.max_tokens
 
 
+def test_stop_token_inside_an_accepted_run(tiny):
+    base, _ = generate(tiny, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    accepted = 0
+    for o, prompt in zip(base, PROMPTS):
+        params = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[o.token_ids[30]])
+        want, _ = generate(tiny, params, prompts=[prompt])
+        got, engine = generate(tiny, params, SPEC, prompts=[prompt])
+        assert got[0].token_ids == want[0].token_ids and got[0].stop_reason == want[0].stop_reason == o.token_ids[30]
+        accepted += engine.spec_counts[2]
+    assert accepted > 0
+
+
+def test_prefix_cache_holds_only_accepted_tokens(tiny):
+    "A prompt that is an earlier prompt and its answer reuses that answer's cached blocks: the same tokens follow."
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine = LLMEngine(*tiny, num_kv_blocks=256, block_size=4, speculative_config=SPEC)
+    llm = LLM.from_engine(engine)
+    first = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert engine.spec_counts[1] > engine.spec_counts[2] > 0  # some guesses were rejected: their K/V was written
+    follow = [{"prompt_token_ids": tiny[1].encode(p) + o.outputs[0].token_ids} for p, o in zip(PROMPTS, first)]
+    again = llm.generate(follow, params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 40 for o in again)  # each answer's blocks came from the prefix cache
+    fresh, _ = generate(tiny, params, prompts=follow, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.token_ids for o in fresh]
+
+
 def test_logprobs_and_grammar(tiny):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     base, _ = generate(tiny, params)
