@@ -950,7 +950,7 @@ def speculative_workloads() -> dict[str, list[list[dict]]]:
     as_chat = lambda texts: [[{"role": "user", "content": t}] for t in texts]
     return {"code edits": as_chat(edits), "free writing": as_chat(WRITING)}
 
-
+# %% ../nbs/06_benchmarks.ipynb #81b55ccb
 def _spec_run(m, tok, chats: list, c: int, max_tokens: int, spec: dict | None, **engine_kw) -> dict:
     "The chats at concurrency c (c=1: one after another) greedily: seconds, tokens, outputs, drafts."
     engine = LLMEngine(m, tok, speculative_config=spec, max_num_seqs=max(c, 16), **engine_kw)
@@ -1004,7 +1004,7 @@ def speculative_benchmark(
         gc.collect()
     return rows
 
-
+# %% ../nbs/06_benchmarks.ipynb #4e2447e6
 def llama_one_user(binary: str, chats: list, max_tokens: int, flags=(), gguf: Path | None = None) -> dict:
     "llama-server (one slot, `flags` added: its speculation) on the chats one after another, greedy."
     import httpx
@@ -1026,7 +1026,6 @@ def llama_one_user(binary: str, chats: list, max_tokens: int, flags=(), gguf: Pa
     texts = [r["choices"][0]["message"]["content"] for r in replies]
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "flags": list(flags),
             "texts": texts}  # fmt: skip
-
 
 # %% ../nbs/06_benchmarks.ipynb #c80cdb6d
 def forward_costs(model: Qwen2ForCausalLM, rows=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)) -> dict:

@@ -315,14 +315,18 @@ def __call__(
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if drawn:
         probs = _filtered(x[drawn], [seqs[i].params for i in drawn]).softmax(-1)  # [R, V]
-        u = torch.stack([torch.rand((), generator=generators[i] or self.generator, dtype=torch.float64,
-                                    device=logits.device) for i in drawn])  # fmt: skip
+        gens = [generators[i] or self.generator for i in drawn]  # each row's own, or the engine's
+
+        def uniform() -> torch.Tensor:  # [R]: one uniform number per row
+            dev = logits.device
+            return torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=dev) for g in gens])
+
+        u = uniform()
         if drafts is None or all(drafts[i] is None for i in drawn):
             tokens[drawn], finite[drawn] = draw_tokens(probs, u)
         else:  # x kept with probability p(x), else a token drawn from p without x (14)
             x, px, rest = draft_verdicts(probs, [drafts[i] for i in drawn])
-            keep = torch.stack([torch.rand((), generator=generators[i] or self.generator, dtype=torch.float64,
-                                           device=logits.device) for i in drawn]) < px  # fmt: skip
+            keep = uniform() < px
             drew, fin = draw_tokens(rest, u)
             tokens[drawn], finite[drawn] = torch.where(keep, x, drew), keep | fin
     got = torch.where(finite, tokens, -1).tolist()  # the one wait for the device
@@ -689,13 +693,12 @@ def _sample_and_update(self: LLMEngine, batch: ScheduledBatch, out) -> dict[str,
             break
         for s in live:
             self.scheduler.accept_draft(s)
-    drafted = [s for s, _ in batch.items if s.draft]
-    self.spec_counts[0] += len(drafted)
+    self.spec_counts[0] += sum(1 for s, _ in batch.items if s.draft)
     self.spec_counts[1] += batch.num_drafted
     self.scheduler.end_drafts(batch)
     return touched
 
-
+# %% ../nbs/04_engine.ipynb #afd92189
 @patch
 def _sample_rows(
     self: LLMEngine, seqs: list[Sequence], out, rows: list[int], i: int
@@ -714,15 +717,15 @@ def _propose(self: LLMEngine) -> None:
     if self.proposer is None:
         return
     running, limit = self.scheduler.running, self.speculative.disable_by_batch_size
-    decoding = [s for s in running if s.num_computed == s.num_tokens - 1 and not s.forks]
-    if limit is not None and len(running) > limit:
-        decoding = []
     for s in running:
         s.draft = []
+    if limit is not None and len(running) > limit:
+        return
+    decoding = [s for s in running if s.num_computed == s.num_tokens - 1 and not s.forks]
     for s, draft in zip(decoding, self.proposer.propose(decoding)):
         s.draft = list(draft)
 
-
+# %% ../nbs/04_engine.ipynb #a99fff31
 @patch
 def _account(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
     "After a step: count it, keep it, log it (`log_steps`), give the C heap's free pages back now and then."
