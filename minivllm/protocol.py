@@ -21,7 +21,7 @@ from .weights import ChatTemplateError, Tokenizer
 from .scheduler import RequestTooLong, SamplingError, SamplingParams
 from .structured import StructuredOutputError, StructuredOutputsParams
 from .tool_calls import ToolCallError, ToolCallParser, check_tools, parse_tool_calls
-from .tool_calls import resolve_tool_choice, tool_call_grammar
+from .tool_calls import bare_call_check, resolve_tool_choice, tool_call_grammar
 
 log = logging.getLogger("minivllm.protocol")
 
@@ -306,8 +306,14 @@ def chat_constraint(
     reading = {"names": None, "parallel": req.parallel_tool_calls}  # ToolCallParser's arguments (12)
     if forced is not None:
         return forced, "tools", reading
-    if mode == "auto" and constraint is None:  # free text: an answer that is a call's bare JSON is a call
+    if mode == "auto" and constraint is None:  # free text: an answer that is a call's bare JSON may be a call
         reading["names"] = [f.name for f in functions]
+        said = [
+            m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
+            for m in req.messages
+            if m.role in ("user", "tool")
+        ]
+        reading["check"] = bare_call_check(functions, "\n".join(said))  # if named by the user or a tool (12)
     return constraint, param, reading if mode != "none" else None
 
 

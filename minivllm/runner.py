@@ -301,8 +301,10 @@ def make_decoder(name: str, cache: KVCache, max_blocks: int | None = None) -> De
         raise ValueError("attention_backend 'triton' needs triton: pip install triton")
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 (tests)")
-    from minivllm.triton_attention import TritonDecode  # imports triton: only when asked for
+    from minivllm.triton_attention import NOT_INTERPRETING, TritonDecode, interpreting  # imports triton
 
+    if not on_cuda and not interpreting():  # the variable is set, but triton was imported before it was
+        raise ValueError(f"attention_backend 'triton' on the CPU: {NOT_INTERPRETING}")
     return TritonDecode(max_blocks)
 
 

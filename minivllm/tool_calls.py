@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastcore.basics import patch
@@ -17,7 +18,7 @@ from .structured import MAX_WHITESPACE, StructuredOutputsParams
 # %% auto #0
 __all__ = ['TOOL_CALL_START', 'TOOL_CALL_END', 'HEAD', 'HEAD_SO_FAR', 'BARE_OPEN', 'BARE_SO_FAR', 'ToolCallError', 'Function',
            'check_tools', 'resolve_tool_choice', 'tool_call_grammar', 'new_call_id', 'parse_call', 'ToolCall',
-           'ToolCallDelta', 'JsonScan', 'ToolCallParser', 'parse_tool_calls']
+           'ToolCallDelta', 'JsonScan', 'ToolCallParser', 'parse_tool_calls', 'bare_call_check']
 
 # %% ../nbs/12_tool_calls.ipynb #081c68dc
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # Qwen2.5's (hermes) tags
@@ -103,7 +104,7 @@ def _call_tag(f: Function) -> dict:
         "type": "tag",
         "begin": f'{TOOL_CALL_START}\n{{"name": "{f.name}", "arguments": ',
         "content": {"type": "json_schema", "json_schema": f.parameters, "max_whitespace_cnt": MAX_WHITESPACE},
-        "end": f"}}\n{TOOL_CALL_END}",
+        "end": f"}}\n{TOOL_CALL_END}\n",  # the newline after the tag: then another call, or the end
     }
 
 
@@ -115,7 +116,7 @@ def tool_call_grammar(
         fmt = _call_tag(next(f for f in functions if f.name == name))
     elif mode == "required":
         tags = [_call_tag(f) for f in functions]
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True}
         fmt["stop_after_first"] = not parallel
     else:
         return None
@@ -236,16 +237,22 @@ class JsonScan:
 class ToolCallParser:
     "Text in, in pieces of any size; out: content and the calls' pieces, the same however the text was cut."
 
-    def __init__(self, names: list[str] | None = None, parallel: bool = True):
-        self.names = names  # the request's functions: bare JSON calls of them are calls too (None: tags only)
-        self.parallel = parallel  # False: calls after the first are dropped
+    def __init__(
+        self,
+        names: list[str] | None = None,  # the request's functions: bare JSON calls of them are calls too
+        parallel: bool = True,  # False: calls after the first are dropped
+        check: Callable[[str, str], bool] | None = None,  # (name, arguments): is a bare call one? (None: yes)
+    ):
+        self.names, self.parallel, self.check = names, parallel, check
         self.pending = ""  # text not decided yet
         self.mode = "text"  # text, head (of a call), args, tail (after the arguments), block (no head)
         self.tagged = self.in_list = self.said = False  # said: content other than whitespace went out
         self.opening, self.fenced = "", False  # what came before a bare call: whitespace, a code fence
         self.space = ""  # whitespace at the end of the content, held until more content follows
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []  # the calls sent, in order: a call's index is its place here
         self.current: ToolCall | None = None  # the call being read (None: a dropped one)
+        self.sent, self.raw = False, ""  # whether it went out; its text before the arguments
+        self.owed = ""  # arguments read before the call went out, sent with the next piece
         self.scan = JsonScan()
 
     def _content(self, text: str, events: list) -> None:
@@ -257,13 +264,33 @@ class ToolCallParser:
             self.said = True
         self.space = text[kept:]
 
-    def _call(self, name: str, arguments: str, events: list) -> ToolCall | None:
-        "Start a call (None, and nothing sent, for a second call when calls may not be parallel)."
-        if self.calls and not self.parallel:
-            return None
-        self.calls.append(ToolCall(name, arguments))
-        events.append(ToolCallDelta(len(self.calls) - 1, arguments, self.calls[-1]))
-        return self.calls[-1]
+# %% ../nbs/12_tool_calls.ipynb #2dc37ba8
+@patch
+def _held(self: ToolCallParser, call: ToolCall) -> bool:
+    "Whether `call` may still be dropped: a bare call not yet checked, or so far a repeat of an earlier one."
+    repeat = any(c.name == call.name and c.arguments.startswith(call.arguments) for c in self.calls)
+    return repeat or (not self.tagged and self.check is not None)
+
+
+@patch
+def _send(self: ToolCallParser, events: list, checked: bool = False) -> bool:
+    "Send the call being read once nothing can drop it: its first delta (True), then, owed, its arguments so far."
+    call = self.current
+    if call is None or self.sent or (self._held(call) and not checked):
+        return False
+    self.calls.append(call)
+    self.sent = True
+    events.append(ToolCallDelta(len(self.calls) - 1, "", call))  # OpenAI's first delta: arguments empty
+    self.owed = call.arguments  # they go out with the next piece: the first delta goes out alone
+    return True
+
+
+@patch
+def _start(self: ToolCallParser, name: str, raw: str, events: list, arguments: str = "") -> None:
+    "Begin a call of `name` (`raw`: its text up to the arguments); dropped when calls may not be parallel."
+    dropped = bool(self.calls) and not self.parallel
+    self.current, self.sent, self.raw = None if dropped else ToolCall(name, arguments), False, raw
+    self._send(events)
 
 # %% ../nbs/12_tool_calls.ipynb #8ec0ec07
 @patch
@@ -295,8 +322,8 @@ def _head(self: ToolCallParser, events: list) -> bool:
     skip = len(TOOL_CALL_START) if self.tagged else int(self.pending.startswith("["))
     m = HEAD.match(self.pending, skip)
     if m and (self.tagged or m["name"] in self.names):
-        self.current = self._call(m["name"], "", events)
-        self.pending, self.mode, self.scan = self.pending[m.end() - 1 :], "args", JsonScan()
+        self._start(m["name"], self.opening + self.pending[: m.end() - 1], events)
+        self.opening, self.pending, self.mode, self.scan = "", self.pending[m.end() - 1 :], "args", JsonScan()
         return False  # the call's first delta goes out alone: its arguments follow with the next piece
     if not m and HEAD_SO_FAR.fullmatch(self.pending, skip):
         return False  # it may still be a call
@@ -311,14 +338,34 @@ def _args(self: ToolCallParser, events: list) -> bool:
     "The arguments, sent on as they come, until their object closes."
     n = self.scan.until_closed(self.pending)
     piece = self.pending[: n or len(self.pending)]
+    self.pending = self.pending[len(piece) :]
+    sent_now = False
     if piece and self.current is not None:
         self.current.arguments += piece
-        events.append(ToolCallDelta(len(self.calls) - 1, piece))
-    self.pending = self.pending[len(piece) :]
+        if self.sent:
+            events.append(ToolCallDelta(len(self.calls) - 1, piece))
+        else:  # a held call goes out once its arguments leave those of every earlier call
+            sent_now = self._send(events)
     if n is None:
         return False
+    if self.current is not None and not self.sent:  # whole, and still held: decide
+        return self._decide(events)
     self.mode, self.scan = "tail", JsonScan(depth=1)  # inside the call's object still
-    return True
+    return not sent_now
+
+
+@patch
+def _decide(self: ToolCallParser, events: list) -> bool:
+    "A held call read whole: a repeat is dropped, a bare call sent if `check` says it is one, else content."
+    call = self.current
+    if not any((c.name, c.arguments) == (call.name, call.arguments) for c in self.calls):
+        if not self.check(call.name, call.arguments):  # bare JSON that is no call: content, as written
+            self.names, self.in_list, self.fenced = None, False, False  # and no later JSON is a call
+            self.pending, self.mode, self.current = self.raw + call.arguments + self.pending, "text", None
+            return True
+        self._send(events, checked=True)
+    self.mode, self.scan = "tail", JsonScan(depth=1)
+    return not self.sent
 
 
 @patch
@@ -366,9 +413,9 @@ def _block(self: ToolCallParser, events: list) -> bool:
     parsed = parse_call(block[len(TOOL_CALL_START) : -len(TOOL_CALL_END)])
     if parsed is None:
         self._content(block, events)
-    else:
-        self._call(*parsed, events)
-    return True
+        return True
+    self._start(parsed[0], "", events, parsed[1])  # sent whole, unless it repeats an earlier call
+    return not self.sent
 
 
 _STEPS = {"text": "_text", "head": "_head", "args": "_args", "tail": "_tail", "block": "_block"}
@@ -378,7 +425,8 @@ _STEPS = {"text": "_text", "head": "_head", "args": "_args", "tail": "_tail", "b
 def feed(self: ToolCallParser, text: str) -> list[str | ToolCallDelta]:
     "Read more text; the content pieces and call pieces it completes."
     self.pending += text
-    events = []
+    events = [ToolCallDelta(len(self.calls) - 1, self.owed)] if self.owed else []
+    self.owed = ""
     while getattr(self, _STEPS[self.mode])(events):
         pass
     return events
@@ -386,11 +434,17 @@ def feed(self: ToolCallParser, text: str) -> list[str | ToolCallDelta]:
 
 @patch
 def finish(self: ToolCallParser) -> list[str | ToolCallDelta]:
-    "The end of the text: an unfinished head or block is content; a call cut in its arguments stays a call."
+    "The end of the text: an unfinished head or block is content; a call cut in its arguments is no call."
     events, before = [], None
-    while before != (self.mode, self.pending):  # read on what waited behind a call's first delta
-        before = (self.mode, self.pending)
+    while before != (self.mode, self.pending, self.owed):  # read on what waited behind a call's first delta
+        before = (self.mode, self.pending, self.owed)
         events += self.feed("")
+    if self.mode == "args" and self.current is not None:  # cut short (by max_tokens): not a call
+        if self.sent:
+            self.calls.pop()  # a stream sent its pieces already; the whole answer does not list it
+        elif not self.tagged:
+            self._content(self.raw + self.current.arguments, events)  # a bare one is the text it was
+        self.current = None
     if self.mode in ("text", "head", "block"):
         self._content(self.pending, events)
     self.pending, self.mode, self.space = "", "text", ""
@@ -398,10 +452,47 @@ def finish(self: ToolCallParser) -> list[str | ToolCallDelta]:
 
 # %% ../nbs/12_tool_calls.ipynb #867441dd
 def parse_tool_calls(
-    text: str, names: list[str] | None = None, parallel: bool = True
+    text: str,
+    names: list[str] | None = None,
+    parallel: bool = True,
+    check: Callable[[str, str], bool] | None = None,
 ) -> tuple[str | None, list[ToolCall]]:
     "(content or None, calls) of a whole answer."
-    parser = ToolCallParser(names, parallel)
+    parser = ToolCallParser(names, parallel, check)
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
     return content or None, parser.calls
+
+# %% ../nbs/12_tool_calls.ipynb #e6927282
+def _leaves(value) -> list[str]:
+    "The strings and numbers inside a JSON value, as text."
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _leaves(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _leaves(v)]
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return [str(value).strip()] if str(value).strip() else []
+    return []
+
+
+def _named_in(value: str, said: str) -> bool:
+    "Whether `value` appears in `said` as a word (or words), ignoring case."
+    return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", said, re.IGNORECASE) is not None
+
+
+def bare_call_check(functions: list[Function], said: str) -> Callable[[str, str], bool]:
+    "The rule for a bare call: arguments valid under the function's schema, one of their values in `said`."
+    import jsonschema
+
+    schemas = {f.name: f.parameters for f in functions}
+
+    def check(name: str, arguments: str) -> bool:
+        args = json.loads(arguments)
+        try:
+            jsonschema.validate(args, schemas[name])
+        except (jsonschema.ValidationError, jsonschema.SchemaError):
+            return False
+        values = _leaves(args)
+        return not values or any(_named_in(v, said) for v in values)
+
+    return check

@@ -19,10 +19,23 @@ except ImportError:  # triton is optional: the kernel serves CUDA, its PyTorch t
     triton = None
 
 HAS_TRITON = triton is not None
+NOT_INTERPRETING = (
+    "this process imported triton without TRITON_INTERPRET=1; set it in the environment, or before anything "
+    "imports triton"
+)
+
+
+def interpreting() -> bool:
+    "Whether triton runs kernels in its interpreter here: fixed when this process first imported triton."
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)  # made at that import: interpreted only in that mode
 
 # %% auto #0
-__all__ = ['HAS_TRITON', 'MIN_BLOCKS_PER_SPLIT', 'decode_attention_reference', 'random_decode_batch', 'split_plan', 'num_sms',
-           'paged_decode_attention_triton', 'TritonDecode']
+__all__ = ['HAS_TRITON', 'NOT_INTERPRETING', 'MIN_BLOCKS_PER_SPLIT', 'interpreting', 'decode_attention_reference',
+           'random_decode_batch', 'split_plan', 'num_sms', 'paged_decode_attention_triton', 'TritonDecode']
 
 # %% ../nbs/08_triton_attention.ipynb #6f42389c
 def decode_attention_reference(
@@ -201,9 +214,8 @@ def _check_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *
             raise ValueError(f"every input must be contiguous in its last dimension (strides {x.stride()})")
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention_triton needs triton: pip install triton")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        msg = "on the CPU triton runs kernels only in its interpreter: set TRITON_INTERPRET=1 first"
-        raise RuntimeError(msg)
+    if q.device.type == "cpu" and not interpreting():
+        raise RuntimeError(f"on the CPU triton runs kernels only in its interpreter: {NOT_INTERPRETING}")
 
 
 MIN_BLOCKS_PER_SPLIT = 4  # a share of the context is at least this many blocks: fewer cost more to merge

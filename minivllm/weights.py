@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import importlib.util
 import json
 import os
@@ -31,10 +32,10 @@ from .utils import cache_dir, cpu_has_bf16
 
 # %% auto #0
 __all__ = ['DTYPES', 'GGUF_NAMES', 'GGUF_REQUIRED', 'QWEN2_PRETOKENIZE', 'BUNDLED_NAME', 'BUNDLED_SHA256', 'BUNDLED_SIZE',
-           'BUNDLED_PARTS', 'HUB_PATTERNS', 'resolve_device', 'cuda_bf16_error', 'resolve_dtype', 'model_from_tensors',
-           'safetensors_files', 'load_safetensors_model', 'gguf_to_hf_name', 'open_gguf', 'gguf_metadata',
-           'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf', 'ChatTemplateError',
-           'render_chat_template', 'Tokenizer', 'assemble_bundled_gguf', 'convert_gguf_to_folder',
+           'BUNDLED_PARTS', 'BUNDLED_GENERATION_CONFIG', 'HUB_PATTERNS', 'resolve_device', 'cuda_bf16_error',
+           'resolve_dtype', 'model_from_tensors', 'safetensors_files', 'load_safetensors_model', 'gguf_to_hf_name',
+           'open_gguf', 'gguf_metadata', 'gguf_config', 'gguf_model_config', 'load_gguf_model', 'tokenizer_from_gguf',
+           'ChatTemplateError', 'render_chat_template', 'Tokenizer', 'assemble_bundled_gguf', 'convert_gguf_to_folder',
            'bundled_model_folder', 'resolve_model', 'load_model']
 
 # %% ../nbs/01b_weights.ipynb #8128a344
@@ -635,12 +636,22 @@ def convert_gguf_to_folder(gguf_path: str | Path, folder: str | Path) -> Path:
     return folder
 
 
+# Qwen's published generation_config.json of Qwen/Qwen2.5-Coder-0.5B-Instruct, which the GGUF does not carry
+BUNDLED_GENERATION_CONFIG = "bundled_generation_config.json"  # in minivllm/data/
+
+
 def bundled_model_folder() -> Path:
-    "The bundled model as a Hugging Face folder in the cache, made on first use."
+    "The bundled model as a Hugging Face folder in the cache, made on first use, with its generation config."
     folder = cache_dir() / "bundled" / BUNDLED_NAME
-    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
-        return folder
-    return convert_gguf_to_folder(assemble_bundled_gguf(), folder)
+    if not ((folder / "model.safetensors").is_file() and (folder / "config.json").is_file()):
+        convert_gguf_to_folder(assemble_bundled_gguf(), folder)
+    gen = folder / "generation_config.json"
+    if not gen.is_file():  # sampling defaults and stop tokens (a folder made before it was shipped gains it too)
+        tmp = gen.with_name(f".{gen.name}.{os.getpid()}")
+        tmp.write_bytes((importlib.resources.files("minivllm") / "data" / BUNDLED_GENERATION_CONFIG).read_bytes())
+        tmp.chmod(0o644)
+        os.replace(tmp, gen)
+    return folder
 
 # %% ../nbs/01b_weights.ipynb #016cf6a5
 HUB_PATTERNS = [

@@ -167,10 +167,11 @@ def test_check_style_leaves_out_only_nbdevs_all_lines(tmp_path):
 # nbdev: export and clean change nothing
 
 def test_nbdev_export_reproduces_the_package(tmp_path):
-    # Export into a lib folder that holds only our C sources (minivllm/csrc/) and the live page's files
+    # Export into a lib folder that holds only our C sources (minivllm/csrc/), the bundled model's generation config
+    # (minivllm/data/) and the live page's files
     # (minivllm/static/): sources, not nbdev's output. A module no notebook writes (a stale or hand-written file)
     # fails too.
-    scratch = scratch_project(tmp_path, "minivllm/csrc", "minivllm/static")
+    scratch = scratch_project(tmp_path, "minivllm/csrc", "minivllm/static", "minivllm/data")
     run([tool("nbdev_export")], cwd=scratch)
     assert_same_tree(tree(ROOT / "minivllm"), tree(scratch / "minivllm"),
                      "minivllm/ is not what nbdev_export writes (run nbdev_export; never edit minivllm/ by hand)")

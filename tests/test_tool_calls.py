@@ -47,12 +47,33 @@ def events_of(text: str, cuts: list[int], names: list[str] | None = None) -> tup
     return content, list(zip(names_, args))
 
 
+def parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def assert_stream_is_the_answer(streamed, content, calls):
+    """A stream gives the whole answer's content and calls, and at most one call more: the last, cut short by the
+    end of the text (its pieces went out before the end came; the whole answer leaves a cut call out)."""
+    s_content, s_calls = streamed
+    assert s_content == (content or "")
+    assert s_calls[: len(calls)] == [(c.name, c.arguments) for c in calls]
+    extra = s_calls[len(calls):]
+    assert len(extra) <= 1 and not any(parses(a) for _, a in extra), extra
+    assert all(parses(c.arguments) for c in calls)  # the whole answer's calls are whole
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(PIECES, max_size=12), st.lists(st.integers(0, 10_000), max_size=8))
 def test_streamed_events_equal_the_whole_answer(pieces, cuts):
     text = "".join(pieces)
     content, calls = parse_tool_calls(text)
-    assert events_of(text, cuts) == (content or "", [(c.name, c.arguments) for c in calls])
+    assert_stream_is_the_answer(events_of(text, cuts), content, calls)
+    pairs = [(c.name, c.arguments) for c in calls]
+    assert len(set(pairs)) == len(pairs)  # no call repeats an earlier one exactly
     assert "<tool_call>\n{\"name\": \"get_weather\"" not in (content or "")  # a whole call never leaks as text
 
 
@@ -66,11 +87,33 @@ BARE_PIECES = st.sampled_from([" ", "\n", "[", "]", ", ", "{", "}", '"', "Hi", "
 def test_streamed_bare_calls_equal_the_whole_answer(pieces, cuts):
     text = "".join(pieces)
     content, calls = parse_tool_calls(text, ["get_weather", "get_time"])
-    assert events_of(text, cuts, ["get_weather", "get_time"]) == (content or "", [(c.name, c.arguments) for c in calls])
+    assert_stream_is_the_answer(events_of(text, cuts, ["get_weather", "get_time"]), content, calls)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(BARE_PIECES, max_size=10), st.lists(st.integers(0, 10_000), max_size=8), st.booleans())
+def test_checked_bare_calls_stream_whole_or_not_at_all(pieces, cuts, verdict):
+    "With a check, a bare call is held until its arguments are whole: it is sent whole, or is content, as written."
+    text, names = "".join(pieces), ["get_weather", "get_time"]
+    check = lambda name, args: verdict  # noqa: E731
+    content, calls = parse_tool_calls(text, names, check=check)
+    parser, events = ToolCallParser(names, check=check), []
+    bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        events += parser.feed(text[a:b])
+    events += parser.finish()
+    assert "".join(e for e in events if isinstance(e, str)) == (content or "")
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    starts = [d.call.name for d in deltas if d.call is not None]
+    args = ["".join(d.arguments for d in deltas if d.index == i) for i in range(len(starts))]
+    assert_stream_is_the_answer((content or "", list(zip(starts, args))), content, calls)
+    if "<tool_call>" not in text:  # bare calls only: each in two deltas (its name, then all its arguments), and none unless the check says yes
+        assert len(deltas) == 2 * len(calls) and (verdict or not calls)
 
 
 def test_parse_tool_calls():
-    content, calls = parse_tool_calls(f"Checking.\n{CALL}\n{CALL}\n")
+    other = CALL.replace("Paris", "Oslo")
+    content, calls = parse_tool_calls(f"Checking.\n{CALL}\n{other}\n{CALL}\n")  # the repeat is dropped
     assert content == "Checking." and [c.name for c in calls] == ["get_weather"] * 2
     assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].id != calls[1].id
     assert calls[0].to_dict()["type"] == "function" and calls[0].id.startswith("call_")
@@ -129,6 +172,28 @@ def test_forced_calls_always_parse_and_fit_their_schemas(structured, mode, name,
         assert name is None or {c.name for c in calls} == {name}
         counts.append(len(calls))
     assert max(counts) == 1 if (not parallel or mode == "named") else max(counts) > 1
+
+
+@pytest.mark.parametrize("mode, name, parallel, more", [("required", None, True, True),
+                                                         ("required", None, False, False), ("named", "get_time", True, False)])
+def test_after_a_whole_call_the_grammar_allows_the_end(structured, mode, name, parallel, more):
+    """The end of the answer is allowed right after each call (with its newline), beside another call where more
+    may come: the model's own preference decides, so a model that means one call is not driven to a second."""
+    tok, so = structured
+    functions = check_tools([WEATHER, CLOCK])
+    state = so.matcher(so.compile(tool_call_grammar(functions, mode, name, parallel)))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+    for t in tok.encode(call):
+        assert state.accept(t), tok.decode([t])
+    for _ in range(2 if more else 1):
+        bits = torch.zeros(1, (so.vocab_size + 31) // 32, dtype=torch.int32)
+        state.fill_mask(bits, 0)
+        allowed = {i for i in range(so.vocab_size) if bits[0, i // 32] >> (i % 32) & 1}
+        assert set(tok.eos_token_ids) <= allowed
+        assert (tok.encode("<")[0] in allowed) == more  # another call may start, where more calls may come
+        if more:  # a second, different call, and the end is allowed again
+            for t in tok.encode(call.replace("UTC", "CET")):
+                assert state.accept(t)
 
 
 def test_modes_without_a_grammar():
@@ -209,6 +274,37 @@ def test_bare_json_calls_whole_and_streamed(tiny, text, names, called):
         assert (content or None, last) == (msg["content"], finish)
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+
+
+@pytest.mark.parametrize("question, called", [
+    ("What is 2 + 2?", False),  # the bundled model's made-up call: Tokyo is named nowhere
+    ("What's the weather in Tokyo?", True),
+    ("Weather in tokyo, in celsius", True),
+])
+def test_auto_reads_a_bare_call_only_when_the_user_named_its_arguments(tiny, question, called):
+    from minivllm.protocol import ChatCompletionRequest, chat_constraint
+    _, tok = tiny
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": question}],
+                                                "tools": [WEATHER | {"function": {**WEATHER["function"], "parameters": {
+                                                    "type": "object", "properties": {"city": {"type": "string"}}}}}]})
+    _, _, read = chat_constraint(req)
+    for step in (None, 1, 5):
+        builder = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=read)
+        if step is None:
+            msg, finish = builder.message(CompletionOutput(0, BARE, [1], "stop"))
+            content, calls = msg["content"], msg.get("tool_calls", [])
+        else:
+            content, calls, _, finish = stream_deltas(builder, BARE, step)
+        assert (finish == "tool_calls", bool(calls)) == (called, called)
+        assert (content or None) == (None if called else BARE)
+
+
+def test_a_call_cut_by_max_tokens_is_no_call(tiny):
+    _, tok = tiny
+    cut = CALL + "\n" + CALL.replace("Paris", "Oslo")[:40]
+    msg, finish = ResponseBuilder("chat", "c", "m", [3], 1, tok, tool_calls=READ).message(
+        CompletionOutput(0, cut, [1], "length"))
+    assert finish == "length" and [c["function"]["arguments"] for c in msg["tool_calls"]] == ['{"city": "Paris"}']
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(tiny):
@@ -347,3 +443,50 @@ def test_guidance_backend_says_what_it_cannot_express(tiny):
         assert httpx.post(srv.url + "/v1/chat/completions", json=forced, timeout=60).status_code == 200
     with pytest.raises(ValueError, match="must be one of"):
         StructuredOutputs(tok, 300, backend="outlines")
+
+
+@pytest.fixture(scope="module")
+def bundled_server():
+    from minivllm.engine import LLMEngine
+    from minivllm.server import BackgroundServer, build_app
+    from minivllm.weights import load_model
+    model, tok = load_model(None)
+    with BackgroundServer(build_app(LLMEngine(model, tok, num_kv_blocks=1024, max_num_seqs=8), "minivllm")) as srv:
+        yield srv
+
+
+PARIS = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
+WEATHER_FREE = {"type": "function", "function": {"name": "get_weather", "description": "The weather now in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}, "unit": {"type": "string"}},
+                                                     "required": ["city", "unit"]}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_on_the_bundled_model_end_after_the_call(bundled_server, choice):
+    "The issue's case: required (and named) once ran to max_tokens with 6 calls; the model means one, and ends."
+    import openai
+    client = openai.OpenAI(base_url=bundled_server.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="minivllm", messages=PARIS, tools=[WEATHER_FREE], tool_choice=choice, max_tokens=150, temperature=0)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    assert json.loads(c.message.tool_calls[0].function.arguments)["city"] == "Paris"
+    args, finish = {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert finish == "tool_calls" and list(args) == [0]
+    assert json.loads(args[0]) == json.loads(c.message.tool_calls[0].function.arguments)
+
+
+@pytest.mark.slow
+def test_auto_on_the_bundled_model_calls_no_tool_for_arithmetic(bundled_server):
+    import openai
+    client = openai.OpenAI(base_url=bundled_server.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="minivllm", tools=[WEATHER_FREE], max_tokens=100, temperature=0)
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": "What is 2 + 2?"}], **kw).choices[0]
+    assert plain.finish_reason == "stop" and not plain.message.tool_calls
+    weather = client.chat.completions.create(messages=PARIS, **kw).choices[0]
+    assert weather.finish_reason == "tool_calls" and weather.message.tool_calls[0].function.name == "get_weather"

@@ -14,21 +14,24 @@ nearest.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 if "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported; CUDA is not needed for the tests
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 from minivllm.paged_cache import paged_decode_attention, padded_decode_attention  # noqa: E402
 from minivllm.triton_attention import (  # noqa: E402
     HAS_TRITON,
     decode_attention_reference,
+    interpreting,
     paged_decode_attention_triton,
     random_decode_batch,
 )
+
+INTERPRETED = interpreting()  # triton's real mode in this process, not what the variable says now
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -206,3 +209,53 @@ def test_kernel_compiles_for_a_gpu_without_one(arch, dtype, split):
     assert res.returncode == 0, res.stderr[-2000:]
     print(res.stdout)
     assert res.stdout.count("LOCAL:0") == 2, f"registers spill to local memory: {res.stdout}"
+
+
+LATE_IMPORT = r"""
+import os, sys
+import pytest, torch
+import triton  # as transformers does: before anything set TRITON_INTERPRET
+os.environ["TRITON_INTERPRET"] = "1"  # as an earlier notebook of the same worker did: too late
+from minivllm.triton_attention import NOT_INTERPRETING, interpreting, paged_decode_attention_triton, random_decode_batch
+from minivllm.runner import make_decoder
+from minivllm.paged_cache import KVCache
+from minivllm.qwen2 import Qwen2Config
+assert not interpreting()
+with pytest.raises(RuntimeError, match="imported triton without TRITON_INTERPRET"):
+    paged_decode_attention_triton(*random_decode_batch([3, 9], 4, 4, 2))
+cache = KVCache(Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+                8, 4, torch.float32, torch.device("cpu"))
+with pytest.raises(ValueError, match="imported triton without TRITON_INTERPRET"):
+    make_decoder("triton", cache)
+print("refused")
+"""
+
+
+@needs_triton
+def test_a_process_that_imported_triton_first_is_told_not_misled():
+    "The variable set after triton's import (as an earlier notebook's setdefault did) is not taken for the mode."
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", LATE_IMPORT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "refused" in r.stdout, r.stderr[-3000:]
+
+
+BOOK_IN_ONE_PROCESS = r"""
+import sys
+from pathlib import Path
+from nbdev.test import test_nb
+results = [test_nb(Path(nb).absolute())[0] for nb in sys.argv[1:]]
+print("passed:", results)
+sys.exit(0 if all(results) else 1)
+"""
+
+
+@needs_triton
+def test_notebooks_sharing_a_process_pass_whatever_came_first():
+    """nbdev_test runs several notebooks in one worker: 01 imports triton (through transformers) without the
+    interpreter, then 08 sets TRITON_INTERPRET=1, then 09 ran the kernel in compiled mode on the CPU and failed."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    nbs = ["01_qwen2.ipynb", "08_triton_attention.ipynb", "09_cuda_graphs.ipynb"]
+    r = subprocess.run([sys.executable, "-c", BOOK_IN_ONE_PROCESS, *nbs], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=root / "nbs")
+    assert r.returncode == 0 and "passed: [True, True, True]" in r.stdout, (r.stdout + r.stderr)[-3000:]
