@@ -274,7 +274,7 @@ def _held(self: ToolCallParser, call: ToolCall) -> bool:
 
 @patch
 def _send(self: ToolCallParser, events: list, checked: bool = False) -> bool:
-    "Send the call being read once nothing can drop it: its first delta (True), then, owed, its arguments so far."
+    "Send the call being read once nothing can drop it (True): its first delta; its arguments are owed."
     call = self.current
     if call is None or self.sent or (self._held(call) and not checked):
         return False

@@ -641,14 +641,15 @@ BUNDLED_GENERATION_CONFIG = "bundled_generation_config.json"  # in minivllm/data
 
 
 def bundled_model_folder() -> Path:
-    "The bundled model as a Hugging Face folder in the cache, made on first use, with its generation config."
+    "The bundled model as a Hugging Face folder in the cache (made on first use), with its generation config."
     folder = cache_dir() / "bundled" / BUNDLED_NAME
     if not ((folder / "model.safetensors").is_file() and (folder / "config.json").is_file()):
         convert_gguf_to_folder(assemble_bundled_gguf(), folder)
     gen = folder / "generation_config.json"
-    if not gen.is_file():  # sampling defaults and stop tokens (a folder made before it was shipped gains it too)
+    if not gen.is_file():  # sampling defaults, stop tokens (a folder made before it was shipped gains it too)
         tmp = gen.with_name(f".{gen.name}.{os.getpid()}")
-        tmp.write_bytes((importlib.resources.files("minivllm") / "data" / BUNDLED_GENERATION_CONFIG).read_bytes())
+        shipped = importlib.resources.files("minivllm") / "data" / BUNDLED_GENERATION_CONFIG
+        tmp.write_bytes(shipped.read_bytes())
         tmp.chmod(0o644)
         os.replace(tmp, gen)
     return folder
