@@ -27,6 +27,7 @@ from minivllm.runner import (
     FlatBatch,
     ModelRunner,
     load_prepared,
+    generation_defaults,
     make_decoder,
     parse_bytes,
     release_free_memory,
@@ -499,6 +500,8 @@ class LLMEngine:
         )
         self.runner = runner_factory(model, self.cache, self.block_manager, **self._attention(graphs))
         self.sampler = Sampler(a.seed, w.device)
+        self.sampling_defaults = generation_defaults(a, tokenizer.generation_config)  # 03a
+        SamplingParams(**self.sampling_defaults).validate()  # a bad default is said at start
         self.structured = StructuredOutputs(  # compiles grammars on first use
             tokenizer, cfg.vocab_size, backend=a.structured_outputs_backend
         )
@@ -967,6 +970,12 @@ class LLM:
         "The engine (vLLM calls it `llm_engine`)."
         return self.llm_engine
 
+# %% ../nbs/04_engine.ipynb #b2e8d69f
+@patch
+def get_default_sampling_params(self: LLM) -> SamplingParams:
+    "SamplingParams with the model's generation config (`generation_config`, 03a) over vLLM's defaults."
+    return SamplingParams(**self.llm_engine.sampling_defaults)
+
 # %% ../nbs/04_engine.ipynb #cfb3aec0
 @patch
 def _add_all(self: LLM, prompts, sampling_params) -> list[str]:
@@ -978,7 +987,7 @@ def _add_all(self: LLM, prompts, sampling_params) -> list[str]:
     params = (
         sampling_params
         if isinstance(sampling_params, list)
-        else [sampling_params or SamplingParams()] * len(prompts)
+        else [sampling_params or self.get_default_sampling_params()] * len(prompts)
     )
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")

@@ -449,17 +449,29 @@ def check_max_tokens(max_model_len: int, longest: int, max_tokens: int) -> None:
         raise too_long(max_model_len, what, "max_tokens")
 
 # %% ../nbs/05a_protocol.ipynb #c11c95af
-def openai_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def openai_sampling(
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    defaults: dict | None = None,  # the model's generation config (03a): for the fields the request left out
+) -> SamplingParams:
     "OpenAI's sampling fields, and vLLM's extra ones, as SamplingParams (not validated yet)."
+    sent, defaults = req.model_fields_set, defaults or {}
+
+    def own(name: str, vllm_default):
+        "The request's value if it sent one, else the model's default, else vLLM's."
+        value = getattr(req, name) if name in sent else None
+        return value if value is not None else defaults.get(name, vllm_default)
+
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p,
+        temperature=own("temperature", 1.0),
+        top_p=own("top_p", 1.0),
+        top_k=own("top_k", 0),
+        min_p=own("min_p", 0.0),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
+        repetition_penalty=own("repetition_penalty", 1.0),
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         stop=req.stop,
@@ -488,10 +500,12 @@ def sampling_params(
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     check_token_ids(req.stop_token_ids or [], engine.model.config.vocab_size, "stop_token_ids")
     check_prompt_lengths(engine, prompt_lens, prompt_param)
-    room = engine.max_model_len - max(prompt_lens)
+    room, defaults = engine.max_model_len - max(prompt_lens), engine.sampling_defaults
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    p = openai_sampling(req, max_tokens, logprobs)
+    if defaults.get("max_tokens") is not None:  # the generation config's max_new_tokens caps every request
+        max_tokens = min(max_tokens, defaults["max_tokens"])
+    p = openai_sampling(req, max_tokens, logprobs, defaults)
     p.structured_outputs = constraint
     try:
         p.validate()

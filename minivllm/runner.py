@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -33,9 +34,9 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
     from minivllm.cuda_graphs import DecodeGraphs
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'json_object', 'parse_bytes', 'EngineArgs', 'FlatBatch', 'attention_items',
-           'forward_flat', 'ModelRunner', 'make_decoder', 'uses_cuda_graphs', 'load_prepared', 'warmup_step',
-           'release_free_memory']
+__all__ = ['GENERATION_FIELDS', 'ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'json_object', 'parse_bytes', 'EngineArgs',
+           'generation_defaults', 'FlatBatch', 'attention_items', 'forward_flat', 'ModelRunner', 'make_decoder',
+           'uses_cuda_graphs', 'load_prepared', 'warmup_step', 'release_free_memory']
 
 # %% ../nbs/03a_runner.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -133,6 +134,17 @@ class EngineArgs:
         '"prompt_lookup_max": 4}\' (default: none)',
         type=json_object,
     )
+    generation_config: str = _opt(
+        "auto",
+        "the defaults of requests that do not set them: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as a cap on every "
+        "request), vllm (none: temperature 1, no top-k or top-p), or a folder with a generation_config.json",
+    )
+    override_generation_config: dict | None = _opt(
+        None,
+        'single values over the generation config, as JSON, e.g. \'{"temperature": 0.5}\'',
+        type=json_object,
+    )
     seed: int = _opt(0, "seed of the sampler for requests without one")
     log_steps: bool = _opt(False, "record a StepRecord per step (for timelines)", cli=False)
 
@@ -174,6 +186,41 @@ def add_cli_args(cls: EngineArgs, parser: argparse.ArgumentParser) -> argparse.A
 def from_cli_args(cls: EngineArgs, args: argparse.Namespace) -> EngineArgs:
     "The EngineArgs in a parsed namespace (other flags are ignored)."
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+# %% ../nbs/03a_runner.ipynb #e507d1ae
+GENERATION_FIELDS = {  # generation_config.json's name -> SamplingParams' name
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(args: EngineArgs, model_generation_config: dict | None = None) -> dict:
+    "The defaults of requests that do not set a field, in SamplingParams' names (ValueError: why not)."
+    mode = args.generation_config
+    if mode == "vllm":
+        found = {}
+    elif mode == "auto":
+        found = model_generation_config or {}
+    else:
+        path = Path(mode).expanduser() / "generation_config.json"
+        if not path.is_file():
+            msg = f"generation_config {mode!r}: no generation_config.json there (use auto, vllm or a folder)"
+            raise ValueError(msg)
+        try:
+            found = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    overrides = args.override_generation_config or {}
+    unknown = sorted(set(overrides) - set(GENERATION_FIELDS))
+    if unknown:
+        known = ", ".join(GENERATION_FIELDS)
+        raise ValueError(f"override_generation_config: {', '.join(unknown)} is not one of {known}")
+    merged = {k: v for k, v in {**found, **overrides}.items() if k in GENERATION_FIELDS and v is not None}
+    return {GENERATION_FIELDS[k]: v for k, v in merged.items()}
 
 # %% ../nbs/03a_runner.ipynb #352b7ae0
 @dataclass

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineArgs, EngineStats, LLMEngine, RequestOutput, parse_bytes
+from .runner import generation_defaults
 from .speculative import SpeculativeConfig
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from .protocol import PromptEncoder, ResponseBuilder, SamplingRequest, SSEResponse, TokenizeRequest, too_long
@@ -45,11 +47,12 @@ from .structured import StructuredOutputError, StructuredOutputsParams
 log = logging.getLogger("minivllm.server")
 
 # %% auto #0
-__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'LOG_STATS_EVERY_S', 'available_cores', 'engine_threads',
-           'AsyncEngine', 'Submission', 'Admission', 'EngineMetrics', 'OpenAIServing', 'serving_app',
+__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'LOG_STATS_EVERY_S', 'TOOL_CALL_PARSERS', 'available_cores',
+           'engine_threads', 'AsyncEngine', 'Submission', 'Admission', 'EngineMetrics', 'OpenAIServing', 'serving_app',
            'BackgroundServer', 'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key',
-           'key_matches', 'build_app', 'GracefulServer', 'add_server_args', 'add_limit_args', 'add_queue_args',
-           'arg_parser', 'build_engine', 'log_engine', 'main', 'in_passing_thread']
+           'key_matches', 'build_app', 'GracefulServer', 'add_server_args', 'add_chat_args', 'chat_template_arg',
+           'check_chat_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine', 'log_engine', 'main',
+           'in_passing_thread']
 
 # %% ../nbs/05_server.ipynb #fc08f744
 def available_cores() -> int:
@@ -374,7 +377,7 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineMetrics:
-    "vLLM's serving metrics as `minivllm:*`, in a registry of their own."
+    "vLLM's serving metrics under vLLM's names (`vllm:*`), ours as `minivllm:*`, in a registry of their own."
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -411,18 +414,18 @@ class EngineMetrics:
 
 # %% ../nbs/05_server.ipynb #68fc62a0
 @patch
-def _gauge(self: EngineMetrics, name: str, doc: str):
-    return Gauge(f"minivllm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+def _gauge(self: EngineMetrics, name: str, doc: str, prefix: str = "vllm"):
+    return Gauge(f"{prefix}:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
 
 @patch
-def _counter(self: EngineMetrics, name: str, doc: str):
-    return Counter(f"minivllm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+def _counter(self: EngineMetrics, name: str, doc: str, prefix: str = "vllm"):
+    return Counter(f"{prefix}:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
 
 @patch
 def _histogram(self: EngineMetrics, name: str, doc: str, buckets: list[float]):
-    hist = Histogram(f"minivllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+    hist = Histogram(f"vllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
     return hist.labels(self.model_name)
 
 
@@ -486,18 +489,23 @@ def _add_latencies(self: EngineMetrics) -> None:
     self.e2e_request_latency = self._histogram(e2e, "Request queued -> finished.", E2E_BUCKETS)
     labels = ["model_name", "finished_reason"]
     doc = "Requests finished, by reason."
-    self.request_success = Counter("minivllm:request_success", doc, labels, registry=self.registry)
+    self.request_success = Counter("vllm:request_success", doc, labels, registry=self.registry)
 
 
 @patch
 def _add_server_gauges(self: EngineMetrics) -> None:
-    self.num_queued_sequences = self._gauge("num_queued_sequences", "Sequences admitted and not finished.")
-    self.num_queued_prompt_tokens = self._gauge(
-        "num_queued_prompt_tokens", "Prompt tokens not yet prefilled."
+    ours = "minivllm"  # what vLLM has no name for
+    self.num_queued_sequences = self._gauge(
+        "num_queued_sequences", "Sequences admitted and not finished.", ours
     )
-    self.num_requests_in_flight = self._gauge("num_requests_in_flight", "HTTP requests the engine works on.")
+    self.num_queued_prompt_tokens = self._gauge(
+        "num_queued_prompt_tokens", "Prompt tokens not yet prefilled.", ours
+    )
+    self.num_requests_in_flight = self._gauge(
+        "num_requests_in_flight", "HTTP requests the engine works on.", ours
+    )
     self.requests_shed = self._counter(
-        "requests_shed", "Requests refused with a 503 because the queue was full."
+        "requests_shed", "Requests refused with a 503 because the queue was full.", ours
     )
     self._shed_seen = 0
 
@@ -1075,6 +1083,60 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (default: %(default)s)",
     )
 
+# %% ../nbs/05_server.ipynb #92496981
+TOOL_CALL_PARSERS = ("hermes",)  # vLLM's name of the format 12_tool_calls reads (Qwen2.5's)
+
+
+def add_chat_args(ap: argparse.ArgumentParser) -> None:
+    "vLLM's flags for chat: the template, and the tool-call parser."
+    g = ap.add_argument_group("chat")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, a file or inline, in place of the model's own (default: the model's)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice auto: always on here; needs --tool-call-parser, as in vLLM",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help=f"how tool calls are read: {', '.join(TOOL_CALL_PARSERS)} (Qwen2.5's format, the only one here)",
+    )
+
+
+def chat_template_arg(value: str) -> str:
+    "The template `--chat-template` names: a file's text, or the value itself if it is a template."
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        msg = f"--chat-template {value!r}: no such file, and no Jinja template either ({{{{ or {{%)"
+        raise ValueError(msg)
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        msg = f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})"
+        raise ValueError(msg) from None
+    return text
+
+
+def check_chat_args(args: argparse.Namespace) -> str | None:
+    "Check the chat flags before the model loads; the chat template to use (None: the model's)."
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        have = ", ".join(TOOL_CALL_PARSERS)
+        msg = f"--tool-call-parser {args.tool_call_parser!r} is not available: this server has {have}"
+        raise ValueError(msg)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (here: {TOOL_CALL_PARSERS[0]})")
+    return None if args.chat_template is None else chat_template_arg(args.chat_template)
+
 # %% ../nbs/05_server.ipynb #bebce09b
 def add_limit_args(ap: argparse.ArgumentParser) -> None:
     "Bounds on request bodies and connections."
@@ -1130,6 +1192,7 @@ def arg_parser() -> argparse.ArgumentParser:
     desc = "Serve a model to OpenAI clients: chat and completions, streamed or not, with metrics at /metrics."
     ap = argparse.ArgumentParser(prog="python -m minivllm.server", description=desc)
     add_server_args(ap)
+    add_chat_args(ap)
     add_limit_args(ap)
     add_queue_args(ap)
     EngineArgs.add_cli_args(ap)
@@ -1156,6 +1219,11 @@ def log_engine(aeng: AsyncEngine) -> None:
     limits = (aeng.max_model_len, cfg.max_num_seqs, aeng.num_threads)
     log.info("max_model_len %d, max_num_seqs %d, %d torch threads", *limits)
     log.info("queue: at most %d sequences and %d prompt tokens", adm.max_seqs, adm.max_prompt_tokens)
+    defaults, source = aeng.engine.sampling_defaults, aeng.engine.args.generation_config
+    if defaults:  # as vLLM says it: a request's own values win
+        log.info("default sampling parameters from the generation config (%s): %s", source, defaults)
+    else:
+        log.info("default sampling parameters: vLLM's (temperature 1, no top-k or top-p; %s)", source)
     spec = aeng.engine.speculative
     if spec is not None:
         limit = spec.disable_by_batch_size
@@ -1173,12 +1241,17 @@ def main(argv: list[str] | None = None) -> None:
     "Serve a model: `python -m minivllm.server [--model M] [--port P] ...`; exits 1 if the engine dies."
     parser = arg_parser()
     args = parser.parse_args(argv)
-    try:  # a bad --speculative-config is said before the model loads, not after
+    try:  # a bad --speculative-config, chat flag or generation config is said before the model loads
         SpeculativeConfig.parse(args.speculative_config)
+        chat_template = check_chat_args(args)
+        generation_defaults(EngineArgs.from_cli_args(args))
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = build_engine(args)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
+        log.info("chat template: from --chat-template (%d characters), not the model's", len(chat_template))
     names = args.served_model_name or ["minivllm" if args.model is None else args.model]
     api_key = args.api_key or os.environ.get("MINIVLLM_API_KEY")
     limits = (args.max_request_body_bytes, args.request_body_timeout)

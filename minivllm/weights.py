@@ -423,8 +423,10 @@ class Tokenizer:
         bos_token: str | None = None,
         pad_token: str | None = None,
         extra_eos_ids: list[int] | None = None,
+        generation_config: dict | None = None,  # the model's generation_config.json: its sampling defaults
     ):
         self.tok = tok
+        self.generation_config: dict = dict(generation_config or {})
         self.chat_template = chat_template
         self.eos_token, self.bos_token, self.pad_token = eos_token, bos_token, pad_token
         ids = [tok.token_to_id(eos_token)] if eos_token is not None else []
@@ -505,7 +507,8 @@ def from_folder(cls: Tokenizer, folder: str | Path) -> Tokenizer:
     tc = _read_json(folder / "tokenizer_config.json")
     content = lambda v: v.get("content") if isinstance(v, dict) else v  # a token or an AddedToken dict
     special = [content(tc.get(k)) for k in ("eos_token", "bos_token", "pad_token")]
-    return cls(tok, _chat_template_of(folder, tc), *special, _eos_ids_of(folder))
+    generation = _read_json(folder / "generation_config.json")
+    return cls(tok, _chat_template_of(folder, tc), *special, _eos_ids_of(folder), generation)
 
 # %% ../nbs/01b_weights.ipynb #558f3d87
 @patch(cls_method=True)

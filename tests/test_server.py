@@ -52,7 +52,7 @@ def wait_idle(url: str, timeout: float = 5.0) -> dict[str, float]:
     t0 = time.monotonic()
     while True:
         m = metrics(url)
-        idle = m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
+        idle = m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
         if idle or time.monotonic() - t0 > timeout: return m
         time.sleep(0.02)
 
@@ -319,7 +319,7 @@ def test_bad_input_leaves_nothing_behind(server, client):
                                           for _, p, b, _, _ in BAD])
     assert all(400 <= r.status_code < 500 for r in asyncio.run(all_bad()))
     m = wait_idle(server.url)
-    assert (m["minivllm:num_requests_running"], m["minivllm:num_requests_waiting"], m["minivllm:kv_cache_usage_perc"]) == (0, 0, 0)
+    assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
     assert client.chat.completions.create(model="tiny", messages=HI, max_tokens=3).usage.completion_tokens <= 3
     assert httpx.get(server.url + "/v1/chat/completions").status_code == 405
 
@@ -354,19 +354,19 @@ def test_disconnect_mid_stream_frees_blocks(server):
         tasks = [asyncio.create_task(leave_early(i)) for i in range(6)]
         await asyncio.sleep(0)
         return await asyncio.gather(*tasks)
-    before = metrics(server.url)["minivllm:generation_tokens_total"]
+    before = metrics(server.url)["vllm:generation_tokens_total"]
     assert all(asyncio.run(main()))
     m = wait_idle(server.url, timeout=3)
-    assert m["minivllm:kv_cache_usage_perc"] == 0 and m["minivllm:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
     # nobody ran on: far fewer than 6 x 450 tokens were made
-    assert m["minivllm:generation_tokens_total"] - before < 6 * 450 / 2
+    assert m["vllm:generation_tokens_total"] - before < 6 * 450 / 2
 
 
 def test_disconnect_while_waiting_for_a_whole_response(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 480, "ignore_eos": True}, timeout=0.5)
     m = wait_idle(server.url, timeout=3)
-    assert m["minivllm:kv_cache_usage_perc"] == 0 and m["minivllm:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
 
 
 # --- load -------------------------------------------------------------------------------------------------------
@@ -396,25 +396,41 @@ def test_64_concurrent_streaming_clients(server):
     print(f"64 streaming clients done in {wall:.1f} s; largest batch {peak} sequences")
     assert peak >= 16, f"concurrent requests should share batches; the largest held {peak}"
     m = wait_idle(server.url)
-    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
-    assert m["minivllm:time_to_first_token_seconds_count"] >= 64 and m["minivllm:e2e_request_latency_seconds_count"] >= 64
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:time_to_first_token_seconds_count"] >= 64 and m["vllm:e2e_request_latency_seconds_count"] >= 64
+
+
+VLLM_METRICS = [  # what vLLM's Grafana dashboard, its autoscaler examples and the routers that read it expect
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total"]
 
 
 def test_metrics_names(server, client):
+    "vLLM's names and labels, so vLLM's dashboards and autoscalers read ours unchanged; ours keep minivllm:."
+    from prometheus_client.parser import text_string_to_metric_families
     client.completions.create(model="tiny", prompt="count me", max_tokens=3)
-    m = metrics(server.url)
-    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"]:
-        assert f"minivllm:{name}" in m, name
-    assert m["minivllm:prompt_tokens_total"] > 0 and m["minivllm:generation_tokens_total"] >= 3
+    text = httpx.get(server.url + "/metrics").text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in VLLM_METRICS:
+        assert name in samples and samples[name].labels.get("model_name") == "tiny", name
+    success = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:request_success_total"]
+    assert {"model_name": "tiny", "finished_reason": "length"} in success, success
+    assert samples["vllm:prompt_tokens_total"].value > 0 and samples["vllm:generation_tokens_total"].value >= 3
+    ours = {n.split("{")[0] for n in text.splitlines() if n.startswith("minivllm:") and "_created" not in n}
+    assert ours == {"minivllm:num_queued_sequences", "minivllm:num_queued_prompt_tokens",
+                    "minivllm:num_requests_in_flight", "minivllm:requests_shed_total"}, ours
 
 
 def test_two_servers_in_one_process(tiny):
     "Each app has its own metrics registry and engine thread."
     with BackgroundServer(tiny_app(tiny)) as a, BackgroundServer(tiny_app(tiny)) as b:
         httpx.post(a.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert metrics(a.url)["minivllm:generation_tokens_total"] == 2 and metrics(b.url)["minivllm:generation_tokens_total"] == 0
+        assert metrics(a.url)["vllm:generation_tokens_total"] == 2 and metrics(b.url)["vllm:generation_tokens_total"] == 0
 
 
 # --- the command line -------------------------------------------------------------------------------------------
@@ -533,7 +549,7 @@ def test_bundled_model_streams_what_it_answers():
                 return await asyncio.gather(*[one(ac, i) for i in range(8)])
         assert all(f in ("stop", "length") for f in asyncio.run(main()))
         m = wait_idle(srv.url)
-        assert m["minivllm:kv_cache_usage_perc"] == 0 and m["minivllm:num_requests_running"] == 0
+        assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
 
 
 @pytest.mark.slow

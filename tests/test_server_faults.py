@@ -147,7 +147,7 @@ async def _wait_running(url: str, n: int, timeout: float = 30) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=5) as c:
         while time.monotonic() - t0 < timeout:
             text = (await c.get("/metrics")).text
-            line = next(l for l in text.splitlines() if l.startswith("minivllm:num_requests_running"))
+            line = next(l for l in text.splitlines() if l.startswith("vllm:num_requests_running"))
             if float(line.split()[-1]) >= n:
                 return
             await asyncio.sleep(0.05)

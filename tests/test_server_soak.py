@@ -142,8 +142,8 @@ def test_soak(tiny_folder):
         deadline = time.monotonic() + 30
         while True:
             m = metrics(srv.url)
-            idle = (m["minivllm:num_requests_running"], m["minivllm:num_requests_waiting"],
-                    m["minivllm:kv_cache_usage_perc"], m["minivllm:num_queued_sequences"],
+            idle = (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                    m["vllm:kv_cache_usage_perc"], m["minivllm:num_queued_sequences"],
                     m["minivllm:num_queued_prompt_tokens"], m["minivllm:num_requests_in_flight"])
             if idle == (0,) * 6 or time.monotonic() > deadline:
                 break
@@ -157,7 +157,7 @@ def test_soak(tiny_folder):
         refill = [r.status_code for r in asyncio.run(fill_the_queue())]
         total = sum(outcomes.values())
         print(f"\nsoak: {total} requests in {took:.0f} s from {WORKERS} clients; preemptions "
-              f"{m['minivllm:num_preemptions_total']:.0f}; shed {m['minivllm:requests_shed_total']:.0f}; RSS {samples[4] / 2**20:.0f} MiB at half-time, "
+              f"{m['vllm:num_preemptions_total']:.0f}; shed {m['minivllm:requests_shed_total']:.0f}; RSS {samples[4] / 2**20:.0f} MiB at half-time, "
               f"{end_rss / 2**20:.0f} MiB at the end (bound +{MEMORY_BOUND >> 20} MiB)")
         print("  RSS every tenth of the run (MiB):", [round(x / 2**20) for x in samples])
         for (kind, result), k in sorted(outcomes.items()):

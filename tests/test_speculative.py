@@ -277,8 +277,8 @@ def test_server_counts_drafts(tiny, caplog):
         assert "".join(c.choices[0].text for c in stream) == want[0].outputs[0].text
         text = httpx.get(srv.url + "/metrics").text
         m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-        assert m["minivllm:spec_decode_num_drafts_total"] > 0
-        assert 0 < m["minivllm:spec_decode_num_accepted_tokens_total"] <= m["minivllm:spec_decode_num_draft_tokens_total"]
+        assert m["vllm:spec_decode_num_drafts_total"] > 0
+        assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
         with caplog.at_level("INFO", logger="minivllm.server"):
             metrics = srv.app.state.engine.metrics
             metrics._logged = (0,) * len(metrics._counters)  # as if the last line were before the request
