@@ -7,8 +7,8 @@ cfg.read('settings.ini', encoding='utf-8')
 c = cfg['DEFAULT']
 reqs = c.get('requirements', '').split()
 extras = {'dev': c.get('dev_requirements', '').split(), 'bundled': c.get('bundled_requirements', '').split(),
-          'xgrammar': c.get('xgrammar_requirements', '').split()}
-extras['all'] = extras['dev'] + extras['bundled'] + extras['xgrammar']
+          'xgrammar': c.get('xgrammar_requirements', '').split(), 'client': c.get('client_requirements', '').split()}
+extras['all'] = extras['dev'] + extras['bundled'] + extras['xgrammar'] + extras['client']
 statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive']
 py_versions = ['3.10', '3.11', '3.12', '3.13']
 classifiers = [f"Development Status :: {statuses[int(c['status']) - 1]}", f"Intended Audience :: {c['audience']}",

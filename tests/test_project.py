@@ -83,6 +83,38 @@ def test_index_counts_the_notebooks():
     assert said, "README.md no longer says how many notebooks the book has"
     assert said.group(1) == NUMBERS[count], f"README.md says {said.group(1)} notebooks; nbs/ holds {count}"
 
+def _requirements(key: str) -> set[str]:
+    "Distribution names of one list in settings.ini (versions and markers dropped, lowercased)."
+    import configparser
+    cfg = configparser.ConfigParser(delimiters=["="])
+    cfg.read(ROOT / "settings.ini")
+    return {re.split(r"[<>=!;\[ ]", r)[0].lower().replace("_", "-") for r in cfg["DEFAULT"].get(key, "").split()}
+
+def test_kaggle_cells_are_ipython_cells_that_install_what_they_import():
+    "The Kaggle section as typed into a Kaggle notebook: python cells (! and % lines), and every import installed."
+    import ast
+    from importlib.metadata import packages_distributions
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## On a Kaggle GPU", 1)[1].split("\n## ", 1)[0]
+    fences = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
+    assert len(fences) >= 3 and all(lang == "python" for lang, _ in fences), [lang for lang, _ in fences]
+    magics = [line for _, body in fences for line in body.splitlines() if line.startswith(("!", "%"))]
+    install = [line for line in magics if "pip install" in line]
+    assert len(install) == 1 and install[0].startswith("%pip install"), magics
+    extras = re.search(r"minivllm\[([a-z,]+)\]", install[0]).group(1).split(",")
+    provided = _requirements("requirements") | {d for e in extras for d in _requirements(f"{e}_requirements")}
+    assert all(_requirements(f"{e}_requirements") for e in extras), f"an extra the package does not have: {extras}"
+    dists = packages_distributions()
+    for _, body in fences:
+        tree_ = ast.parse("\n".join(l for l in body.splitlines() if not l.startswith(("!", "%"))))
+        for node in ast.walk(tree_):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in (n.split(".")[0] for n in names):
+                if name in sys.stdlib_module_names or name == "minivllm":
+                    continue
+                assert {d.lower() for d in dists.get(name, [name])} & provided, f"the cells import {name}: not installed"
+
 def test_readme_performance_figures_are_the_committed_results():
     # the tables are generated from nbs/results: every figure of each run is quoted, with its machine and date
     from minivllm.bench import cpu_summary
