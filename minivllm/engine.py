@@ -970,7 +970,7 @@ class LLM:
         "The engine (vLLM calls it `llm_engine`)."
         return self.llm_engine
 
-# %% ../nbs/04_engine.ipynb #b2e8d69f
+# %% ../nbs/04_engine.ipynb #d37d4842
 @patch
 def get_default_sampling_params(self: LLM) -> SamplingParams:
     "SamplingParams with the model's generation config (`generation_config`, 03a) over vLLM's defaults."

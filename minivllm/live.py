@@ -248,7 +248,13 @@ class LiveResponse(SSEResponse):
         await super().__call__(scope, _until(self.viewer.dropped, receive), send)
 
 # %% ../nbs/13_live_page.ipynb #fdaf1a9e
-STATIC = {"page.js": "text/javascript", "page.css": "text/css"}  # the page's files, beside index.html
+STATIC = {  # the page's files, beside index.html: ours, then Markdown (marked) and its sanitizer (DOMPurify)
+    "page.js": "text/javascript",
+    "page.css": "text/css",
+    "marked.umd.js": "text/javascript",
+    "purify.min.js": "text/javascript",
+    "THIRD_PARTY_LICENSES.txt": "text/plain",
+}
 PAGE_HEADERS = {
     "Cache-Control": "no-store",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'",
@@ -257,15 +263,20 @@ PAGE_HEADERS = {
 
 
 def add_live_routes(app: FastAPI, serving: Any, **feed_args) -> LiveFeed:
-    "GET / (the page), /live/page.js and /live/page.css, and /live/events (the stream); returns the feed."
+    "GET / (the page), /live/<its files>, /live/events (the stream) and /favicon.ico; returns the feed."
     feed = LiveFeed(serving.engine, **feed_args)
     app.state.live = feed
     folder = files("minivllm") / "static"
-    page = (folder / "index.html").read_bytes()
+    temperature = serving.engine.engine.sampling_defaults.get("temperature", 1.0)  # the model's own (03a)
+    page = (folder / "index.html").read_text().replace("__TEMPERATURE__", f"{temperature:g}").encode()
     assets = {name: (folder / name).read_bytes() for name in STATIC}
+    icon = (folder / "favicon.ico").read_bytes()
 
     async def index() -> Response:
         return Response(page, media_type="text/html", headers=PAGE_HEADERS)
+
+    async def favicon() -> Response:
+        return Response(icon, media_type="image/x-icon", headers={"Cache-Control": "max-age=86400"})
 
     async def asset(name: str) -> Response:
         if name not in assets:
@@ -276,6 +287,7 @@ def add_live_routes(app: FastAPI, serving: Any, **feed_args) -> LiveFeed:
         return LiveResponse(feed, feed.join(), serving)
 
     app.get("/", include_in_schema=False)(index)
+    app.get("/favicon.ico", include_in_schema=False)(favicon)
     app.get("/live/events", include_in_schema=False)(stream)
     app.get("/live/{name}", include_in_schema=False)(asset)
     return feed

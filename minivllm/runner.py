@@ -187,7 +187,7 @@ def from_cli_args(cls: EngineArgs, args: argparse.Namespace) -> EngineArgs:
     "The EngineArgs in a parsed namespace (other flags are ignored)."
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
-# %% ../nbs/03a_runner.ipynb #e507d1ae
+# %% ../nbs/03a_runner.ipynb #8cb9e1c3
 GENERATION_FIELDS = {  # generation_config.json's name -> SamplingParams' name
     "temperature": "temperature",
     "top_p": "top_p",

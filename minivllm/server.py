@@ -1083,7 +1083,7 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (default: %(default)s)",
     )
 
-# %% ../nbs/05_server.ipynb #92496981
+# %% ../nbs/05_server.ipynb #ca6ef95c
 TOOL_CALL_PARSERS = ("hermes",)  # vLLM's name of the format 12_tool_calls reads (Qwen2.5's)
 
 

@@ -266,10 +266,75 @@ def test_model_output_with_html_shows_as_text(browser, server):
                            PAYLOAD)
     wait_for(browser, "minivllm.page.controller === null && minivllm.page.messages.length === 2")
     assert js(browser, f"{LAST_ANSWER}.textContent") == PAYLOAD
-    assert js(browser, f"{LAST_ANSWER}.childElementCount") == 0  # no element was made of it
     assert js(browser, "document.querySelectorAll('#messages script, #messages img, #messages b').length") == 0
     assert js(browser, "window.pwned === undefined")
     assert "&lt;script&gt;" in js(browser, f"{LAST_ANSWER}.innerHTML")
+
+
+MARKDOWN = ("Here:\n\n```python\ndef f(x):\n    return x[::-1]\n```\n\n- one `item`\n- two\n\n"
+            "| a | b |\n|---|---|\n| 1 | 2 |\n\nInline <b>bold</b> and [a link](javascript:window.pwned=3).")
+
+
+def test_an_answer_in_markdown_is_rendered_as_it_streams(browser, server):
+    "Code fences with their language, lists, inline code and tables; its HTML as text, its script links dead."
+    browser.get(server.url + "/")
+    wait_for(browser, "document.body.dataset.events > 0")
+    browser.execute_script("window.seen = new Set(); new MutationObserver(() => { const t = "
+                           f"{LAST_ANSWER}; if (t) seen.add(t.childElementCount); }}).observe("
+                           "document.getElementById('messages'), {childList: true, subtree: true})")
+    browser.execute_script("minivllm.send('markdown please', {guided_choice: [arguments[0]], temperature: 0})",
+                           MARKDOWN)
+    wait_for(browser, "minivllm.page.controller === null && minivllm.page.messages.length === 2")
+    q = lambda css: js(browser, f"{LAST_ANSWER}.querySelectorAll({css!r}).length")
+    assert q("pre[data-lang='python'] > code.language-python") == 1 and q("ul > li") == 2
+    assert q("li code") == 1 and q("table th") == 2 and q("table td") == 2
+    assert "return x[::-1]" in js(browser, f"{LAST_ANSWER}.querySelector('pre').textContent")
+    assert q("b") == 0 and "<b>bold</b>" in js(browser, f"{LAST_ANSWER}.textContent")  # HTML stays text
+    assert "javascript:" not in js(browser, f"{LAST_ANSWER}.innerHTML")
+    assert len(js(browser, "[...window.seen]")) >= 3  # rendered piece by piece while it streamed, not once at the end
+
+
+def test_a_users_html_shows_as_text(browser, server):
+    browser.get(server.url + "/")
+    wait_for(browser, "document.body.dataset.events > 0")
+    browser.execute_script("minivllm.send(arguments[0], {max_tokens: 4})", PAYLOAD)
+    wait_for(browser, "minivllm.page.controller === null && minivllm.page.messages.length === 2")
+    user = "document.querySelector('.msg.user .text')"
+    assert js(browser, f"{user}.textContent") == PAYLOAD and js(browser, f"{user}.childElementCount") == 0
+    assert js(browser, "window.pwned === undefined")
+
+
+def test_the_grid_stays_readable_at_the_bundled_models_pool(browser, tiny):
+    "10,922 blocks (the bundled model's pool on this CPU): several blocks a cell, cells of 8 pixels or more."
+    model, tok = tiny
+    engine = LLMEngine(model, tok, block_size=16, num_kv_blocks=10922, max_num_seqs=8)
+    with BackgroundServer(build_app(engine, "tiny")) as srv:
+        browser.get(srv.url + "/")
+        wait_for(browser, "document.body.dataset.events > 0")
+        browser.execute_script("minivllm.send('hello', {max_tokens: 300, ignore_eos: true})")
+        wait_for(browser, f"{GRID}.dataset.held > 0")
+        per, cell = int(js(browser, f"{GRID}.dataset.per")), int(js(browser, f"{GRID}.dataset.cell"))
+        assert per == 5 and cell >= 8, (per, cell)
+        assert js(browser, "document.getElementById('grid-scale').textContent") == "5 blocks a cell"
+        assert js(browser, f"{GRID}.height") <= 320  # the whole pool in view
+        browser.find_element("id", "stop").click()
+        wait_for(browser, "minivllm.page.controller === null")
+        browser.get("about:blank")
+
+
+def test_favicon_and_the_models_temperature(tiny, tmp_path):
+    "/favicon.ico is served (no 404 in a browser's log); the temperature box starts at the model's default."
+    import dataclasses
+    from minivllm.engine import EngineArgs
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineArgs(override_generation_config={"temperature": 0.3}), num_kv_blocks=64)
+    with BackgroundServer(build_app(engine, "tiny", api_key="sesame")) as srv:
+        icon = httpx.get(srv.url + "/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+        assert icon.content[:4] == b"\x00\x00\x01\x00"  # an ICO file, open without the key
+        page = httpx.get(srv.url + "/", headers={"Authorization": "Bearer sesame"}).text
+        assert '<link rel="icon" href="/favicon.ico">' in page
+        assert '<input id="temperature" type="number" min="0" max="2" step="0.05" value="0.3">' in page
 
 
 def test_the_page_works_behind_an_api_key(browser, tiny):

@@ -1,6 +1,8 @@
 "use strict";
 // mini-vLLM's page: a chat on /v1/chat/completions, and the engine live from the snapshots of /live/events.
-// The model's text is only ever set as textContent: it is never parsed as HTML.
+// A user's text is only ever set as textContent. The model's answer is Markdown, rendered as it streams by marked
+// (shipped beside this file): any HTML in it stays text, DOMPurify keeps only safe elements and attributes of what
+// marked made, and the result goes in as DOM nodes, never as a string of HTML.
 const $ = (id) => document.getElementById(id);
 const page = { messages: [], controller: null, events: 0, last: null };
 const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
@@ -30,6 +32,19 @@ async function errorText(r) {
 }
 
 // ---- the chat pane ------------------------------------------------------------------------------------------
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => ESCAPES[c]);
+marked.use({ gfm: true, renderer: { html: (token) => escapeHtml(token.text) } });  // HTML in Markdown: as text
+
+// The answer so far as Markdown: code blocks with their language, lists, inline code, tables.
+function renderMarkdown(el, text) {
+  const nodes = DOMPurify.sanitize(marked.parse(text), { RETURN_DOM_FRAGMENT: true });
+  for (const code of nodes.querySelectorAll("pre > code[class^='language-']")) {
+    code.parentElement.dataset.lang = code.className.slice("language-".length);
+  }
+  el.replaceChildren(nodes);
+}
+
 function addMessage(role, text) {
   const box = document.createElement("div");
   const who = document.createElement("div");
@@ -79,7 +94,7 @@ async function send(text, extra = {}) {
       const choice = (chunk.choices || [])[0] || {};
       if (choice.delta && choice.delta.content) {
         reply += choice.delta.content;
-        out.textContent = reply;  // text, never HTML
+        renderMarkdown(out, reply);
         $("messages").scrollTop = $("messages").scrollHeight;
       }
       if (choice.finish_reason) $("chat-status").textContent = `finished (${choice.finish_reason})`;
@@ -111,19 +126,39 @@ const FREE = -1, CACHED = -2, HELD = -3;
 const colour = (id) => `hsl(${(id * 137.508) % 360}, 62%, 52%)`;
 const fill = (v) => v === FREE ? "#e6e6ea" : v === CACHED ? "#b9dcc0" : v === HELD ? "#8a8a90" : colour(v);
 
+// What a cell of several blocks shows: the sequence holding most of them, else held, else kept, else free.
+function cellMark(marks) {
+  const count = new Map();
+  for (const m of marks) count.set(m, (count.get(m) || 0) + 1);
+  const seqs = [...count].filter(([m]) => m >= 0).sort((a, b) => b[1] - a[1]);
+  if (seqs.length) return seqs[0][0];
+  return count.has(HELD) ? HELD : count.has(CACHED) ? CACHED : FREE;
+}
+
+// The pool on a canvas of at most GRID_AREA pixels: a cell per block while cells stay MIN_CELL pixels or more,
+// else several blocks a cell (the legend says how many), so that the bundled model's 10,922 blocks stay readable.
+const GRID_AREA = 560 * 300, MIN_CELL = 8;
 function drawGrid(pool) {
   const canvas = $("grid"), ctx = canvas.getContext("2d");
-  const cell = Math.max(3, Math.min(18, Math.floor(Math.sqrt((canvas.width * 300) / pool.n))));
-  const cols = Math.floor(canvas.width / cell), gap = cell > 5 ? 1 : 0;
-  canvas.height = Math.ceil(pool.n / cols) * cell;
-  const at = (b) => [(b % cols) * cell, Math.floor(b / cols) * cell];
-  for (let i = 0, b = 0; i < pool.grid.length; i += 2) {
-    ctx.fillStyle = fill(pool.grid[i]);
-    for (let k = 0; k < pool.grid[i + 1]; k++, b++) ctx.fillRect(...at(b), cell - gap, cell - gap);
+  const per = Math.max(1, Math.ceil((pool.n * MIN_CELL * MIN_CELL) / GRID_AREA));  // blocks a cell
+  const cells = Math.ceil(pool.n / per);
+  const cell = Math.max(MIN_CELL, Math.min(18, Math.floor(Math.sqrt(GRID_AREA / cells))));
+  const cols = Math.floor(canvas.width / cell), gap = 1;
+  canvas.height = Math.ceil(cells / cols) * cell;
+  const marks = new Array(pool.n);
+  for (let i = 0, b = 0; i < pool.grid.length; i += 2) marks.fill(pool.grid[i], b, (b += pool.grid[i + 1]));
+  const at = (c) => [(c % cols) * cell, Math.floor(c / cols) * cell];
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  for (let c = 0; c < cells; c++) {
+    ctx.fillStyle = fill(per === 1 ? marks[c] : cellMark(marks.slice(c * per, (c + 1) * per)));
+    ctx.fillRect(...at(c), cell - gap, cell - gap);
   }
   ctx.strokeStyle = "#111";
-  for (const b of pool.shared) ctx.strokeRect(at(b)[0] + 0.5, at(b)[1] + 0.5, cell - gap - 1, cell - gap - 1);
-  canvas.dataset.held = pool.n - pool.free;
+  for (const c of new Set(pool.shared.map((b) => Math.floor(b / per)))) {
+    ctx.strokeRect(at(c)[0] + 0.5, at(c)[1] + 0.5, cell - gap - 1, cell - gap - 1);
+  }
+  Object.assign(canvas.dataset, { held: pool.n - pool.free, per, cell });
+  $("grid-scale").textContent = per === 1 ? "a cell per block" : `${per} blocks a cell`;
 }
 
 function chip(cls, id, text) {
