@@ -46,7 +46,7 @@ __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'EDIT_FUNCTI
            'parse_mode', 'Clock', 'kernel_info', 'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd',
            'ours_server_cmd', 'engine_flags', 'speculative_workloads', 'speculative_benchmark', 'llama_one_user',
            'forward_costs', 'ServerRun', 'serve_runs', 'one_user_pairs', 'cpu_summary', 'print_cpu_summary',
-           'shared_prefix_benchmark', 'long_prompt_benchmark', 'main']
+           'shared_prefix_benchmark', 'long_prompt_benchmark', 'NullModel', 'host_step_times', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #ac1e0a3a
 CPU_FLAGS = (
@@ -1350,6 +1350,45 @@ def long_prompt_benchmark(
         }
     return res
 
+# %% ../nbs/06_benchmarks.ipynb #8f95682c
+class NullModel(Qwen2ForCausalLM):
+    "A Qwen2 whose forward does nothing (zeros for hidden states and logits): a step is the engine's work."
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return torch.zeros(len(input_ids), self.config.hidden_size)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(hidden), self.config.vocab_size)  # [S, V]: greedy picks token 0
+
+
+def host_step_times(rows=(1, 64, 256), steps: int = 30, block_size: int = 16, **engine_kw) -> dict:
+    "Per number of running sequences: median and least ms of a NullModel's decode step (the host's work)."
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from minivllm.testing import byte_tokenizer
+
+    tok = Tokenizer(HFTokenizer.from_str(byte_tokenizer().to_str()), eos_token="<|im_end|>")
+    cfg = Qwen2Config(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)  # fmt: skip
+    model, out = NullModel(cfg).eval(), {}
+    for n in rows:
+        eng = LLMEngine(model, tok, num_kv_blocks=n * 80 + 8, block_size=block_size, max_num_seqs=max(rows),
+                        max_num_batched_tokens=1 << 16, **engine_kw)  # fmt: skip
+        endless = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+        for i in range(n):  # contexts of 100..999 tokens
+            eng.add_request([1 + (i * 7 + j) % 250 for j in range(100 + (i * 37) % 900)], endless)
+        prefilling = lambda: any(s.num_computed < s.num_prompt_tokens for s in eng.scheduler.running)  # noqa: E731
+        while eng.scheduler.waiting or prefilling():
+            eng.step()  # the prompts, prefilled
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(1000 * (time.perf_counter() - t0))
+        assert len(eng.scheduler.running) == n  # every step decoded all n
+        out[n] = {"median_ms": statistics.median(times), "min_ms": min(times)}
+    return out
+
 # %% ../nbs/06_benchmarks.ipynb #9c170830
 def _model_parsers(sub) -> None:
     "The subcommands that load a model: offline, profile, features; each takes the engine's flags too."
@@ -1423,6 +1462,10 @@ def _parser() -> argparse.ArgumentParser:
     _model_parsers(sub)
     _cpu_parser(sub)
     _speculative_parser(sub)
+    hst = sub.add_parser("host", help="the engine's own time a decode step: a model that does nothing")
+    hst.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256], help="running sequences")
+    hst.add_argument("--steps", type=int, default=30)
+    hst.add_argument("--json", default=None, help="write the results and the machine here")
     srv = sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming completions")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="the served model's name (default: the first it lists)")
@@ -1588,12 +1631,20 @@ def _serve(a: argparse.Namespace) -> dict:
     return res
 
 
+def _host(a: argparse.Namespace) -> dict:
+    "The NullModel's step times (the engine's own work), printed."
+    res = host_step_times(tuple(a.rows), a.steps)
+    for n, t in res.items():
+        print(f"{n:>4} running: {t['median_ms']:.2f} ms a step (median), {t['min_ms']:.2f} ms at least")
+    return {"host_step_ms": res}
+
+
 def main(argv: list[str] | None = None) -> None:
     "Command-line entry: offline, profile, features or serve; `--json` writes the results with the machine."
     a = _parser().parse_args(argv)
     print("machine:", describe_machine(machine_info()))
     run = {"offline": _offline, "profile": _profile, "features": _features, "serve": _serve, "cpu": _cpu}
-    run = (run | {"speculative": _speculative})[a.cmd]
+    run = (run | {"speculative": _speculative, "host": _host})[a.cmd]
     _write(a, run(a))
 
 # %% ../nbs/06_benchmarks.ipynb #fb359c23

@@ -5,6 +5,7 @@ The figures themselves come from `#| bench` cells on the bundled model; these te
 them, so that a wrong count or definition cannot hide behind a plausible number."""
 import json
 import socket
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -269,3 +270,23 @@ def test_cpu_subcommand_runs_every_mode_offline_and_served(tiny_folder, tmp_path
     assert "error" in res["servers"][2] and not any(s["engine"] == "llama.cpp" for s in res["servers"])
     assert res["paired"] == []  # no llama-server: nothing to pair with
     assert any("KV cache" in line for line in res["servers"][0]["log"])  # the server's own start-up lines
+
+
+def test_host_step_times_runs_the_engine_around_a_model_that_does_nothing():
+    "The NullModel's steps: every row decodes, and the numbers are per batch size (43: the host's own work)."
+    from minivllm.bench import NullModel, host_step_times
+    from minivllm.qwen2 import Qwen2Config
+    m = NullModel(Qwen2Config(vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1))
+    assert m(torch.tensor([1, 2, 3]), None, None).shape == (3, 8) and m.compute_logits(torch.zeros(2, 8)).shape == (2, 50)
+    res = host_step_times(rows=(1, 8), steps=3)
+    assert set(res) == {1, 8} and all(0 < r["min_ms"] <= r["median_ms"] for r in res.values())
+
+
+def test_bench_host_command_line(tmp_path):
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, "-m", "minivllm.bench", "host", "--rows", "1", "4", "--steps", "2", "--json",
+                        str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert set(res["host_step_ms"]) == {"1", "4"} and "cpu" in json.dumps(res["machine"]).lower()
