@@ -1350,7 +1350,7 @@ def long_prompt_benchmark(
         }
     return res
 
-# %% ../nbs/06_benchmarks.ipynb #8f95682c
+# %% ../nbs/06_benchmarks.ipynb #e297be5c
 class NullModel(Qwen2ForCausalLM):
     "A Qwen2 whose forward does nothing (zeros for hidden states and logits): a step is the engine's work."
 

@@ -20,8 +20,8 @@ if typing.TYPE_CHECKING:
     from minivllm.structured import StructuredOutputsParams
 
 # %% auto #0
-__all__ = ['GREEDY_TEMPERATURE', 'SamplingError', 'SamplingParams', 'SequenceStatus', 'Sequence', 'RequestTooLong',
-           'SchedulerConfig', 'ScheduledBatch', 'Scheduler']
+__all__ = ['GREEDY_TEMPERATURE', 'FLOAT32_TINY', 'MIN_REPETITION_PENALTY', 'SamplingError', 'SamplingParams', 'SequenceStatus',
+           'Sequence', 'RequestTooLong', 'SchedulerConfig', 'ScheduledBatch', 'Scheduler']
 
 # %% ../nbs/03_scheduler.ipynb #59afcaf9
 class SamplingError(ValueError):
@@ -79,6 +79,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: below it, float32 rounds to 0 or loses bits
+MIN_REPETITION_PENALTY = 1e-30  # a logit (float32) divided by less can overflow to infinity
+
+
 def _range_rules(p: SamplingParams, max_n: int) -> list[tuple[str, bool, str]]:
     "(parameter, whether its value is fine, what it must be) for the numeric parameters."
     return [
@@ -88,7 +92,11 @@ def _range_rules(p: SamplingParams, max_n: int) -> list[tuple[str, bool, str]]:
             _is_num(p.temperature) and 0 <= p.temperature <= 2,
             f"must be in [0, 2], got {p.temperature!r}",
         ),
-        ("top_p", _is_num(p.top_p) and 0 < p.top_p <= 1, f"must be in (0, 1], got {p.top_p!r}"),
+        (
+            "top_p",
+            _is_num(p.top_p) and FLOAT32_TINY <= p.top_p <= 1,
+            f"must be in (0, 1], and at least {FLOAT32_TINY:.3g} in the sampler's float32, got {p.top_p!r}",
+        ),
         (
             "top_k",
             _is_int(p.top_k) and p.top_k >= 0,
@@ -107,8 +115,9 @@ def _range_rules(p: SamplingParams, max_n: int) -> list[tuple[str, bool, str]]:
         ),
         (
             "repetition_penalty",
-            _is_num(p.repetition_penalty) and 0 < p.repetition_penalty <= 2,
-            f"must be in (0, 2], got {p.repetition_penalty!r}",
+            _is_num(p.repetition_penalty) and MIN_REPETITION_PENALTY <= p.repetition_penalty <= 2,
+            f"must be in (0, 2], and at least {MIN_REPETITION_PENALTY:g} so that float32 logits divided by "
+            f"it stay finite, got {p.repetition_penalty!r}",
         ),
     ]
 
