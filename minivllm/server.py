@@ -47,12 +47,12 @@ from .structured import StructuredOutputError, StructuredOutputsParams
 log = logging.getLogger("minivllm.server")
 
 # %% auto #0
-__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'LOG_STATS_EVERY_S', 'TOOL_CALL_PARSERS', 'available_cores',
-           'engine_threads', 'AsyncEngine', 'Submission', 'Admission', 'EngineMetrics', 'OpenAIServing', 'serving_app',
-           'BackgroundServer', 'ClientGone', 'collect', 'add_routes', 'add_error_handlers', 'RequestGuard', 'needs_key',
-           'key_matches', 'build_app', 'GracefulServer', 'add_server_args', 'add_chat_args', 'chat_template_arg',
-           'check_chat_args', 'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine', 'log_engine', 'main',
-           'in_passing_thread']
+__all__ = ['log', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'LOG_STATS_EVERY_S', 'REQUEST_BODIES', 'TOOL_CALL_PARSERS',
+           'available_cores', 'engine_threads', 'AsyncEngine', 'Submission', 'Admission', 'EngineMetrics',
+           'OpenAIServing', 'serving_app', 'BackgroundServer', 'ClientGone', 'collect', 'add_routes',
+           'openapi_document', 'add_error_handlers', 'RequestGuard', 'needs_key', 'key_matches', 'build_app',
+           'GracefulServer', 'add_server_args', 'add_chat_args', 'chat_template_arg', 'check_chat_args',
+           'add_limit_args', 'add_queue_args', 'arg_parser', 'build_engine', 'log_engine', 'main', 'in_passing_thread']
 
 # %% ../nbs/05_server.ipynb #fc08f744
 def available_cores() -> int:
@@ -776,8 +776,16 @@ async def metrics(self: OpenAIServing) -> Response:
     return Response(m.text(), media_type=CONTENT_TYPE_LATEST)
 
 # %% ../nbs/05_server.ipynb #34e290e7
+REQUEST_BODIES = {  # what each POST reads (05a's models), for /openapi.json
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    "The endpoints, each a method of `serving`."
+    "The endpoints, each a method of `serving`, and their request bodies in /openapi.json."
     app.post("/v1/chat/completions")(serving.chat_completions)
     app.post("/v1/completions")(serving.completions)
     app.get("/v1/models")(serving.models)
@@ -785,6 +793,25 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     app.post("/detokenize")(serving.detokenize)
     app.get("/health")(serving.health)
     app.get("/metrics")(serving.metrics)
+    app.openapi = lambda: openapi_document(app)
+
+
+def openapi_document(app: FastAPI) -> dict:
+    "FastAPI's OpenAPI document with each POST's request body typed by its pydantic model (made once)."
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            body = {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            request_body = {"required": True, "content": {"application/json": body}}
+            doc["paths"][path]["post"]["requestBody"] = request_body
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 # %% ../nbs/05_server.ipynb #37908015
 def add_error_handlers(app: FastAPI) -> None:

@@ -619,3 +619,25 @@ def test_the_queue_is_given_back(server, client):
             break
         time.sleep(0.05)
     assert queue == (0, 0, 0)
+
+
+def test_openapi_declares_every_request_body(server):
+    "/openapi.json types each POST's body with 05a's models: /docs shows every field, client generators work."
+    import jsonschema
+    doc = httpx.get(server.url + "/openapi.json").json()
+    assert httpx.get(server.url + "/docs").status_code == 200
+    for path, model in [("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
+        body = doc["paths"][path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{model}"}
+    schemas = doc["components"]["schemas"]
+    assert {"messages", "temperature", "tools", "response_format", "max_completion_tokens"} <= set(
+        schemas["ChatCompletionRequest"]["properties"])
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc))
+    assert refs and set(refs) <= set(schemas)  # every reference resolves
+    check = lambda body: jsonschema.validate(body, {"$ref": "#/components/schemas/ChatCompletionRequest",  # noqa: E731
+                                                    "components": doc["components"]})
+    check({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5})
+    with pytest.raises(jsonschema.ValidationError):
+        check({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
