@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
 # %% auto #0
 __all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'Logprob', 'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token',
            'nucleus_rows', 'draw_tokens', 'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics',
-           'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'LLM', 'main']
+           'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'apply_logit_bias', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #3c2b9506
 @dataclass
@@ -121,7 +121,7 @@ def _argmax_only(seq: Sequence) -> bool:
     "Whether a row needs nothing but its arg-max."
     p = seq.params
     no_penalty = p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-    return p.greedy and no_penalty and seq.num_output_tokens >= p.min_tokens
+    return p.greedy and no_penalty and not p.logit_bias and seq.num_output_tokens >= p.min_tokens
 
 
 DRAW_CHUNK = 128  # probabilities summed a chunk at a time (128 divides Qwen2's vocabularies: no padding)
@@ -728,6 +728,15 @@ def _propose(self: LLMEngine) -> None:
     for s, draft in zip(decoding, self.proposer.propose(decoding)):
         s.draft = list(draft)
 
+# %% ../nbs/04_engine.ipynb #1ec0c05d
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    "In place: add each row's bias (token id -> bias) to its logits [S, V]; returns `logits`."
+    for row, bias in enumerate(biases):
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
 # %% ../nbs/04_engine.ipynb #a99fff31
 @patch
 def _account(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
@@ -750,6 +759,8 @@ def _sample(
         logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]  # [S + forks, V]
     order = [s for _, s in rows]
     texts = [self.seq_texts[s.seq_id] for s in order]
+    if any(s.params.logit_bias for s in order):  # biased rows: the request's bias on its tokens' logits
+        logits = apply_logit_bias(logits.clone(), [s.params.logit_bias for s in order])
     if any(
         t.grammar is not None for t in texts
     ):  # constrained rows: -inf where their grammar forbids a token

@@ -32,8 +32,8 @@ __all__ = ['log', 'BYTE_DECODER', 'SSEResponse', 'APIError', 'server_error', 'sh
            'error_param', 'parse_json', 'output_constraint', 'chat_constraint', 'chat_top_logprobs',
            'template_tool_calls', 'chat_prompt', 'check_token_ids', 'max_token_chars', 'too_long', 'PromptEncoder',
            'chat_ids', 'completion_ids', 'check_prompt_lengths', 'check_max_tokens', 'openai_sampling',
-           'sampling_params', 'token_bytes', 'chat_logprobs', 'completion_logprobs', 'sse', 'usage', 'ResponseBuilder',
-           'tool_finish', 'Outputs', 'stream_error']
+           'openai_logit_bias', 'sampling_params', 'token_bytes', 'chat_logprobs', 'completion_logprobs', 'sse',
+           'usage', 'ResponseBuilder', 'tool_finish', 'Outputs', 'stream_error']
 
 # %% ../nbs/05a_protocol.ipynb #b25acfcc
 class SSEResponse(StreamingResponse):
@@ -482,6 +482,22 @@ def openai_sampling(
         skip_special_tokens=req.skip_special_tokens,
     )
 
+# %% ../nbs/05a_protocol.ipynb #040c0852
+def openai_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    "A request's `logit_bias` with int keys, or a 400 naming the first id or bias that is wrong."
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isdigit() and int(key) < vocab_size):
+            msg = f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})"
+            raise APIError(400, msg, param="logit_bias")
+        if not -100 <= value <= 100:
+            msg = f"logit_bias: the bias of {key} must be from -100 to 100, got {value}"
+            raise APIError(400, msg, param="logit_bias")
+        out[int(key)] = float(value)
+    return out
+
 # %% ../nbs/05a_protocol.ipynb #582c0416
 def sampling_params(
     req: SamplingRequest,
@@ -494,8 +510,7 @@ def sampling_params(
     constraint: StructuredOutputsParams | None = None,  # the output's grammar, if any
 ) -> SamplingParams:
     "SamplingParams for an OpenAI request, checked against the engine's limits (a 400 on the first problem)."
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    bias = openai_logit_bias(req.logit_bias, engine.model.config.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     check_token_ids(req.stop_token_ids or [], engine.model.config.vocab_size, "stop_token_ids")
@@ -506,7 +521,7 @@ def sampling_params(
     if defaults.get("max_tokens") is not None:  # the generation config's max_new_tokens caps every request
         max_tokens = min(max_tokens, defaults["max_tokens"])
     p = openai_sampling(req, max_tokens, logprobs, defaults)
-    p.structured_outputs = constraint
+    p.structured_outputs, p.logit_bias = constraint, bias
     try:
         p.validate()
     except (SamplingError, StructuredOutputError) as e:

@@ -56,6 +56,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar (11)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (-100 bans)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,6 +82,11 @@ def _is_int(x) -> bool:
 
 FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: below it, float32 rounds to 0 or loses bits
 MIN_REPETITION_PENALTY = 1e-30  # a logit (float32) divided by less can overflow to infinity
+
+
+def _valid_bias(token, bias) -> bool:
+    "Whether one entry of a logit_bias is a token id and a bias from -100 to 100."
+    return _is_int(token) and token >= 0 and _is_num(bias) and -100 <= bias <= 100
 
 
 def _range_rules(p: SamplingParams, max_n: int) -> list[tuple[str, bool, str]]:
@@ -155,6 +161,13 @@ def _stop_rules(p: SamplingParams, max_logprobs: int) -> list[tuple[str, bool, s
             "seed",
             p.seed is None or _is_int(p.seed) and -(2**63) <= p.seed < 2**64,
             "must be a 64-bit integer",
+        ),
+        (
+            "logit_bias",
+            p.logit_bias is None
+            or isinstance(p.logit_bias, dict)
+            and all(_valid_bias(t, b) for t, b in p.logit_bias.items()),
+            "must map token ids to biases from -100 to 100",
         ),
     ]
 
