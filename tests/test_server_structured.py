@@ -323,7 +323,10 @@ def streamed_chunks(client, **kw) -> list:
     return list(client.chat.completions.create(stream=True, **kw))
 
 
-def test_auto_reads_the_bundled_models_bare_calls_and_streams_their_arguments(client):
+def test_auto_reads_the_bundled_models_bare_calls_once_checked(client):
+    """A bare call (the bundled model's habit in auto) is read once its arguments are whole and bare_call_check
+    agrees (12): streamed, its first delta goes out alone, then its arguments in one piece (tagged calls, as in
+    required mode, stream theirs token by token: tests/test_tool_calls.py)."""
     kw = dict(model="minivllm", tools=[WEATHER, TIME], max_tokens=60, temperature=0,
               messages=[{"role": "user", "content": "What is the weather in Tokyo?"}])
     r = client.chat.completions.create(**kw)
@@ -336,8 +339,9 @@ def test_auto_reads_the_bundled_models_bare_calls_and_streams_their_arguments(cl
     first, rest = deltas[0], deltas[1:]
     assert first.id and first.type == "function" and first.function.name == "get_weather"
     assert first.function.arguments == "" and all(d.id is None and d.function.name is None for d in rest)
-    assert len(rest) >= 5  # token by token, not the whole call at once
-    assert "".join(d.function.arguments for d in rest) == call.function.arguments
+    assert len(rest) == 1 and rest[0].function.arguments == call.function.arguments
+    chunk_of = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.tool_calls]
+    assert len(chunk_of) == 2 and chunk_of[0] < chunk_of[1]  # the first delta alone in its chunk
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     print(f"{len(rest)} argument deltas: {[d.function.arguments for d in rest]}")
