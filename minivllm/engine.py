@@ -728,7 +728,7 @@ def _propose(self: LLMEngine) -> None:
     for s, draft in zip(decoding, self.proposer.propose(decoding)):
         s.draft = list(draft)
 
-# %% ../nbs/04_engine.ipynb #1ec0c05d
+# %% ../nbs/04_engine.ipynb #4833ccd6
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
     "In place: add each row's bias (token id -> bias) to its logits [S, V]; returns `logits`."
     for row, bias in enumerate(biases):

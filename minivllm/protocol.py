@@ -482,7 +482,7 @@ def openai_sampling(
         skip_special_tokens=req.skip_special_tokens,
     )
 
-# %% ../nbs/05a_protocol.ipynb #040c0852
+# %% ../nbs/05a_protocol.ipynb #14c8f7d0
 def openai_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     "A request's `logit_bias` with int keys, or a 400 naming the first id or bias that is wrong."
     if not bias:
