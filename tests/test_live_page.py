@@ -322,9 +322,8 @@ def test_the_grid_stays_readable_at_the_bundled_models_pool(browser, tiny):
         browser.get("about:blank")
 
 
-def test_favicon_and_the_models_temperature(tiny, tmp_path):
-    "/favicon.ico is served (no 404 in a browser's log); the temperature box starts at the model's default."
-    import dataclasses
+def test_favicon_and_the_models_temperature(tiny):
+    "/favicon.ico is served, open without the key; the page links it, and its temperature box starts at the model's."
     from minivllm.engine import EngineArgs
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineArgs(override_generation_config={"temperature": 0.3}), num_kv_blocks=64)
