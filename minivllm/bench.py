@@ -39,14 +39,15 @@ from .utils import free_port
 
 # %% auto #0
 __all__ = ['CPU_FLAGS', 'QUESTIONS', 'PROFILE_SHARES', 'CPU_MODES', 'EDIT_FUNCTIONS', 'EDITS', 'WRITING', 'SPECULATIVE',
-           'LOG_PATTERNS', 'machine_info', 'describe_machine', 'results_dir', 'load_result', 'results_path',
-           'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'row_flops', 'work_ratio', 'offline_benchmark',
-           'print_table', 'decode_profile', 'memory_bandwidth', 'decode_bytes_per_step', 'serve_benchmark',
-           'serving_metrics', 'print_serving', 'server_process', 'bench_prompts', 'compare_servers', 'Mode',
-           'parse_mode', 'Clock', 'kernel_info', 'captured_logs', 'prefix_share', 'offline_modes', 'llama_server_cmd',
-           'ours_server_cmd', 'engine_flags', 'speculative_workloads', 'speculative_benchmark', 'llama_one_user',
-           'forward_costs', 'ServerRun', 'serve_runs', 'one_user_pairs', 'cpu_summary', 'print_cpu_summary',
-           'shared_prefix_benchmark', 'long_prompt_benchmark', 'NullModel', 'host_step_times', 'main']
+           'LOG_PATTERNS', 'HOST_PHASES', 'machine_info', 'describe_machine', 'results_dir', 'load_result',
+           'results_path', 'BenchRequest', 'make_requests', 'run_ours', 'run_hf', 'row_flops', 'work_ratio',
+           'offline_benchmark', 'print_table', 'decode_profile', 'memory_bandwidth', 'decode_bytes_per_step',
+           'serve_benchmark', 'serving_metrics', 'print_serving', 'server_process', 'bench_prompts', 'compare_servers',
+           'Mode', 'parse_mode', 'Clock', 'kernel_info', 'captured_logs', 'prefix_share', 'offline_modes',
+           'llama_server_cmd', 'ours_server_cmd', 'engine_flags', 'speculative_workloads', 'speculative_benchmark',
+           'llama_one_user', 'forward_costs', 'ServerRun', 'serve_runs', 'one_user_pairs', 'cpu_summary',
+           'print_cpu_summary', 'shared_prefix_benchmark', 'long_prompt_benchmark', 'NullModel', 'host_step_times',
+           'print_host_times', 'main']
 
 # %% ../nbs/06_benchmarks.ipynb #ac1e0a3a
 CPU_FLAGS = (
@@ -1361,33 +1362,82 @@ class NullModel(Qwen2ForCausalLM):
         return torch.zeros(len(hidden), self.config.vocab_size)  # [S, V]: greedy picks token 0
 
 
-def host_step_times(rows=(1, 64, 256), steps: int = 30, block_size: int = 16, **engine_kw) -> dict:
-    "Per number of running sequences: median and least ms of a NullModel's decode step (the host's work)."
+HOST_PHASES = ("schedule", "forward", "sample", "outputs")  # what a step's host time is spent on
+
+
+def _timed_phases(eng: LLMEngine) -> dict[str, list[float]]:
+    "Wrap the engine's phases (on this instance only) so that each call adds its seconds to a list."
+    spent: dict[str, list[float]] = {p: [] for p in HOST_PHASES}
+
+    def timed(fn, phase):
+        def run(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[phase].append(time.perf_counter() - t0)
+
+        return run
+
+    eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
+    eng.runner.run = timed(eng.runner.run, "forward")  # the batch's metadata, the (empty) model, the logits
+    eng._sample_and_update = timed(eng._sample_and_update, "sample")  # sampling, the tokens, their text
+    eng._output = timed(eng._output, "outputs")
+    return spent
+
+
+def host_step_times(
+    rows=(1, 64, 256),
+    steps: int = 30,
+    block_size: int = 16,
+    graphs: bool = False,  # the GPU's decode path: DecodeGraphs, replayed eagerly
+    context: int = 100,
+    **engine_kw,
+) -> dict:
+    "Per number of running sequences: ms of a NullModel's decode step (the host's work), and of each phase."
+    # the sequences' contexts: from `context` to 10x `context` tokens
     from tokenizers import Tokenizer as HFTokenizer
 
+    from minivllm.cuda_graphs import DecodeGraphs, eager_capture
     from minivllm.testing import byte_tokenizer
 
     tok = Tokenizer(HFTokenizer.from_str(byte_tokenizer().to_str()), eos_token="<|im_end|>")
     cfg = Qwen2Config(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)  # fmt: skip
+                      num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=max(4096, 16 * context))  # fmt: skip
     model, out = NullModel(cfg).eval(), {}
     for n in rows:
-        eng = LLMEngine(model, tok, num_kv_blocks=n * 80 + 8, block_size=block_size, max_num_seqs=max(rows),
+        blocks = n * (11 * context // block_size + 2) + 8  # room for every context and its next tokens
+        eng = LLMEngine(model, tok, num_kv_blocks=blocks, block_size=block_size, max_num_seqs=max(rows),
                         max_num_batched_tokens=1 << 16, **engine_kw)  # fmt: skip
+        if graphs:  # the GPU's decode path: the step's rows into fixed buffers, then a replay (eager here)
+            scratch = eng.block_manager.allocator.allocate()
+            max_blocks = eng.block_manager.blocks_for(eng.max_model_len)
+            eng.runner.graphs = DecodeGraphs(model, eng.cache, max(rows), max_blocks, scratch, eager_capture)
         endless = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-        for i in range(n):  # contexts of 100..999 tokens
-            eng.add_request([1 + (i * 7 + j) % 250 for j in range(100 + (i * 37) % 900)], endless)
+        for i in range(n):  # contexts of context..10 x context tokens
+            length = context + (i * 37) % (9 * context)
+            eng.add_request([1 + (i * 7 + j) % 250 for j in range(length)], endless)
         prefilling = lambda: any(s.num_computed < s.num_prompt_tokens for s in eng.scheduler.running)  # noqa: E731
         while eng.scheduler.waiting or prefilling():
             eng.step()  # the prompts, prefilled
-        times = []
+        spent, times = _timed_phases(eng), []
         for _ in range(steps):
             t0 = time.perf_counter()
             eng.step()
             times.append(1000 * (time.perf_counter() - t0))
         assert len(eng.scheduler.running) == n  # every step decoded all n
-        out[n] = {"median_ms": statistics.median(times), "min_ms": min(times)}
+        phases = {p: 1000 * sum(v) / steps for p, v in spent.items()}  # ms a step, on average
+        out[n] = {"median_ms": statistics.median(times), "min_ms": min(times), "phases_ms": phases}
     return out
+
+
+def print_host_times(res: dict) -> None:
+    "One line per batch: the step's median and least ms, and the mean ms of each phase."
+    for n, t in res.items():
+        parts = ", ".join(f"{p} {ms:.2f}" for p, ms in t["phases_ms"].items())
+        step = f"{t['median_ms']:5.2f} ms a step (median), {t['min_ms']:5.2f} at least"
+        print(f"{n:>4} running: {step} ({parts})")
 
 # %% ../nbs/06_benchmarks.ipynb #9c170830
 def _model_parsers(sub) -> None:
@@ -1465,6 +1515,7 @@ def _parser() -> argparse.ArgumentParser:
     hst = sub.add_parser("host", help="the engine's own time a decode step: a model that does nothing")
     hst.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256], help="running sequences")
     hst.add_argument("--steps", type=int, default=30)
+    hst.add_argument("--context", type=int, default=100, help="contexts from this to 10x this many tokens")
     hst.add_argument("--json", default=None, help="write the results and the machine here")
     srv = sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming completions")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -1632,10 +1683,12 @@ def _serve(a: argparse.Namespace) -> dict:
 
 
 def _host(a: argparse.Namespace) -> dict:
-    "The NullModel's step times (the engine's own work), printed."
-    res = host_step_times(tuple(a.rows), a.steps)
-    for n, t in res.items():
-        print(f"{n:>4} running: {t['median_ms']:.2f} ms a step (median), {t['min_ms']:.2f} ms at least")
+    "The NullModel's step times (the engine's own work), eager and through the decode graphs, printed."
+    res = {}
+    for path in ("eager", "graphs"):
+        print(f"{path}:")
+        res[path] = host_step_times(tuple(a.rows), a.steps, graphs=path == "graphs", context=a.context)
+        print_host_times(res[path])
     return {"host_step_ms": res}
 
 

@@ -38,7 +38,7 @@ from minivllm.paged_cache import (
     DecodeAttention,
     KVCache,
     PagedBatch,
-    BlockTable,
+    DecodeRows,
     _decode_blocks,
 )
 from .qwen2 import apply_rotary, Qwen2ForCausalLM, RMSNorm
@@ -822,11 +822,9 @@ class CDecode(DecodeAttention):
 
     name = "c"
 
-    def prepare(
-        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
-    ) -> None:
+    def prepare(self, meta: PagedBatch, rows: DecodeRows, device: torch.device) -> None:
         "Block ids, their rows and valid slots: the C kernel takes a lone row like any other."
-        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
+        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(rows, meta.cache.block_size, device)
 
     def decode(
         self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor

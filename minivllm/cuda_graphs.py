@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from fastcore.basics import patch
 
-from .paged_cache import BlockTable, KVCache, PagedBatch
+from .paged_cache import BlockTable, DecodeRows, KVCache, PagedBatch
 from .qwen2 import Qwen2ForCausalLM
 from .triton_attention import HAS_TRITON, TritonDecode
 
@@ -96,16 +96,16 @@ def bucket(self: DecodeGraphs, num_seqs: int) -> int | None:
 @patch
 def _fill(
     self: DecodeGraphs, items: list[tuple[BlockTable, int, int]], input_ids: list[int], size: int
-) -> None:
-    "Write the step's rows, then padding up to `size`, into the host buffer."
+) -> int:
+    "Write the step's rows, then padding up to `size`, into the host buffer; the columns written."
     if self.copied is not None:
         self.copied.synchronize()  # the previous step's copy has left the host buffer
-    h, n, bs = self.host.numpy(), len(items), self.cache.block_size
-    for i, ((table, cached, _), token) in enumerate(zip(items, input_ids)):
-        k = -(-(cached + 1) // bs)  # blocks holding the context, the new token included
-        h[i, :4] = (token, cached, table.slot(cached), cached + 1)
-        h[i, 4 : 4 + k] = table.blocks[:k]
+    rows = DecodeRows.of(items, self.cache.block_size)  # array operations: no loop over rows or blocks
+    h, n, width = self.host.numpy(), len(items), rows.tables.shape[1]
+    h[:n, 0], h[:n, 1], h[:n, 2], h[:n, 3] = input_ids, rows.context_lens - 1, rows.slots, rows.context_lens
+    h[:n, 4 : 4 + width] = rows.tables  # past a row's blocks: never read (its context length says so)
     h[n:size, :4] = (0, 0, self.scratch_slot, 0)  # padded rows: write to scratch, read nothing
+    return 4 + width
 
 
 @patch
@@ -117,8 +117,8 @@ def run(
     size = self.bucket(len(items))
     if size is None or any(n != 1 for *_, n in items):
         raise ValueError(f"a graph runs a pure decode step of at most {self.sizes[-1]} rows")
-    self._fill(items, input_ids, size)
-    self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+    cols = self._fill(items, input_ids, size)  # only the columns this step's longest table reaches
+    self.inputs[:size, :cols].copy_(self.host[:size, :cols], non_blocking=True)
     if self.copied is not None:
         self.copied.record()
     replay, out = self.graphs[size]

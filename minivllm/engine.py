@@ -31,6 +31,7 @@ from minivllm.runner import (
     make_decoder,
     parse_bytes,
     release_free_memory,
+    resolve_steps,
     uses_cuda_graphs,
     warmup_step,
 )
@@ -480,9 +481,9 @@ class LLMEngine:
         runner_factory: Callable[..., ModelRunner] = ModelRunner,  # (model, cache, block_manager) -> runner
         **kwargs,
     ):
-        self.args = a = dataclasses.replace(args or EngineArgs(), **kwargs)
-        self.model, self.tokenizer = model, tokenizer
         cfg, w = model.config, model.lm_head.weight
+        self.args = a = resolve_steps(dataclasses.replace(args or EngineArgs(), **kwargs), w.device)  # 03a
+        self.model, self.tokenizer = model, tokenizer
         num_blocks = a.num_kv_blocks
         if num_blocks is None:  # from the memory budget (CUDA: around a warm-up step, for the activations)
             max_len = a.max_model_len or cfg.max_position_embeddings
@@ -543,7 +544,8 @@ def _scheduler_config(self: LLMEngine, model_context: int) -> SchedulerConfig:
     if max_len > model_context:
         raise ValueError(f"max_model_len={max_len} exceeds the model's context ({model_context})")
     budget = a.max_num_batched_tokens if a.enable_chunked_prefill else max(a.max_num_batched_tokens, max_len)
-    return SchedulerConfig(a.max_num_seqs, budget, max_len, a.enable_chunked_prefill)
+    separate = a.prefill_steps == "separate"
+    return SchedulerConfig(a.max_num_seqs, budget, max_len, a.enable_chunked_prefill, separate)
 
 # %% ../nbs/04_engine.ipynb #58b2eb3f
 @patch

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
@@ -22,7 +23,7 @@ from .qwen2 import causal_attention, sdpa_causal, Qwen2Config
 __all__ = ['DEFAULT_CPU_KV_BYTES', 'PAD_LIMIT', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
            'check_block_invariants', 'kv_bytes_per_token', 'kv_cache_budget', 'measure_cuda_memory',
            'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'PrefillSpan',
-           'PagedBatch', 'to_device', 'DecodeAttention', 'batched_prefill']
+           'PagedBatch', 'to_device', 'DecodeRows', 'DecodeAttention', 'batched_prefill']
 
 # %% ../nbs/02_paged_cache.ipynb #4c575ec4
 class OutOfBlocks(RuntimeError):
@@ -99,6 +100,7 @@ class BlockTable:
     num_tokens: int = 0
     num_hashed: int = 0  # leading blocks already published to the prefix cache
     last_hash: int | None = None  # chained hash of block num_hashed - 1
+    _array: np.ndarray | None = field(default=None, init=False, repr=False)  # `blocks` as an array, or None
 
     def slot(self, pos: int) -> int:
         "Flat slot index (block * block_size + offset) of token position `pos`."
@@ -108,6 +110,21 @@ class BlockTable:
         "Flat slots of positions start..end-1."
         bs, blocks = self.block_size, self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def changed(self) -> None:
+        "Forget the array copy of `blocks`: whoever changes them calls this (the BlockManager does)."
+        self._array = None
+
+    def array(self) -> np.ndarray:
+        "`blocks` as an int64 array, made again only after they changed: once per `block_size` decode steps."
+        if self._array is None or len(self._array) != len(self.blocks):
+            self._array = np.array(self.blocks, dtype=np.int64)
+        return self._array
+
+    def slot_array(self, start: int, end: int) -> np.ndarray:
+        "`slots(start, end)` as an int64 array, in array operations."
+        p = np.arange(start, end)
+        return self.array()[p // self.block_size] * self.block_size + p % self.block_size
 
 # %% ../nbs/02_paged_cache.ipynb #a64c3e56
 class BlockManager:
@@ -206,9 +223,11 @@ def append(self: BlockManager, table: BlockTable, n: int) -> None:
         dst = self._allocate()
         self.allocator.free(src)
         table.blocks[-1] = dst
+        table.changed()
         self.pending_copies.append((src, dst))
     while len(table.blocks) < self.blocks_for(table.num_tokens + n):
         table.blocks.append(self._allocate())
+        table.changed()
     table.num_tokens += n
 
 # %% ../nbs/02_paged_cache.ipynb #2fbaa875
@@ -227,6 +246,7 @@ def free(self: BlockManager, table: BlockTable) -> None:
     for b in reversed(table.blocks):  # the last block first: it is the least likely to be reused
         self.allocator.free(b)
     table.blocks.clear()
+    table.changed()
     table.num_tokens = 0
     table.num_hashed = 0
     table.last_hash = None
@@ -239,6 +259,7 @@ def trim(self: BlockManager, table: BlockTable, num_tokens: int) -> None:
     for b in reversed(table.blocks[keep:]):
         self.allocator.free(b)
     del table.blocks[keep:]
+    table.changed()
     table.num_tokens = min(table.num_tokens, num_tokens)
 
 
@@ -321,6 +342,7 @@ def allocate_prefix(self: BlockManager, table: BlockTable, token_ids: list[int])
             self.allocator.incref(b)  # another running sequence holds it: share it
         table.blocks.append(b)
         parent = h
+    table.changed()
     table.num_tokens = len(table.blocks) * bs
     table.num_hashed = len(table.blocks)
     table.last_hash = parent
@@ -530,38 +552,6 @@ class PagedBatch:
     context_lens: torch.Tensor | None = None  # [num_decode] context tokens per decode row
 
 
-# %% ../nbs/02_paged_cache.ipynb #6f97d627
-def _prefill_spans(items: list[tuple[BlockTable, int, int]], device: torch.device) -> list[PrefillSpan]:
-    "Where each prefill's rows start in the flat batch, and its context's slots when some was cached before."
-    spans: list[PrefillSpan] = []
-    start = 0
-    for table, cached, n in items:
-        ctx = torch.tensor(table.slots(0, cached + n), device=device) if cached else None  # [cached + n]
-        spans.append(PrefillSpan(start, n, cached + n, ctx))
-        start += n
-    return spans
-
-
-def _decode_blocks(
-    items: list[tuple[BlockTable, int, int]], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
-    "Blocks the decode rows read: ids [P], decode row of each [P], and which slots hold context [P, bs]."
-    if not items:
-        return None, None, None
-    ids: list[int] = []
-    rows: list[int] = []
-    used: list[int] = []  # context tokens in each block
-    for row, (table, cached, n) in enumerate(items):
-        if n != 1:
-            raise ValueError(f"decode item {row} has num_new={n}: a decode row computes exactly one token")
-        ctx_len = cached + 1
-        nb = -(-ctx_len // block_size)
-        ids += table.blocks[:nb]
-        rows += [row] * nb
-        used += [block_size] * (nb - 1) + [ctx_len - (nb - 1) * block_size]
-    valid = torch.arange(block_size, device=device)[None, :] < torch.tensor(used, device=device)[:, None]
-    return torch.tensor(ids, device=device), torch.tensor(rows, device=device), valid  # [P], [P], [P, bs]
-
 # %% ../nbs/02_paged_cache.ipynb #06201fc8
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     "A CPU tensor on `device`; to a GPU through pinned memory, without making Python wait for the copy."
@@ -570,20 +560,79 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+# %% ../nbs/02_paged_cache.ipynb #6f97d627
+def _prefill_spans(items: list[tuple[BlockTable, int, int]], device: torch.device) -> list[PrefillSpan]:
+    "Where each prefill's rows start in the flat batch, and its context's slots when some was cached before."
+    spans: list[PrefillSpan] = []
+    start = 0
+    for table, cached, n in items:
+        ctx = to_device(torch.from_numpy(table.slot_array(0, cached + n)), device) if cached else None
+        spans.append(PrefillSpan(start, n, cached + n, ctx))  # ctx: [cached + n] slots
+        start += n
+    return spans
+
+
+@dataclass
+class DecodeRows:
+    "A step's decode rows as arrays, built once with array operations; each backend lays them out its way."
+
+    tables: np.ndarray  # [B, width] int64 block ids, 0 past each row's blocks
+    num_blocks: np.ndarray  # [B] blocks holding each row's context
+    context_lens: np.ndarray  # [B] context tokens, the new one included
+    slots: np.ndarray  # [B] where each row's new K/V is written
+
+    @classmethod
+    def of(
+        cls, items: list[tuple[BlockTable, int, int]], block_size: int, width: int | None = None
+    ) -> DecodeRows:
+        "From decode items (table, cached, 1); `width`: a fixed table width (None: the most any row reads)."
+        for row, (_, _, n) in enumerate(items):
+            if n != 1:
+                raise ValueError(f"decode item {row} has num_new={n}: a decode row computes one token")
+        B = len(items)
+        ctx = np.fromiter((c + 1 for _, c, _ in items), np.int64, B)  # [B]
+        nb = -(-ctx // block_size)  # [B]
+        width = width or int(nb.max(initial=1))
+        if nb.max(initial=0) > width:
+            raise ValueError(f"a decode row reads {nb.max()} blocks, past the table width {width}")
+        tables = np.zeros((B, width), np.int64)
+        if B:  # each row's first nb blocks, laid into the rows in one assignment
+            tables[np.arange(width) < nb[:, None]] = np.concatenate(
+                [t.array()[:k] for (t, _, _), k in zip(items, nb.tolist())]
+            )
+        pos = ctx - 1  # [B] the new token's position
+        slots = tables[np.arange(B), pos // block_size] * block_size + pos % block_size
+        return cls(tables, nb, ctx, slots)
+
+
+def _decode_blocks(
+    rows: DecodeRows, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
+    "Blocks the decode rows read: ids [P], decode row of each [P], and which slots hold context [P, bs]."
+    if not len(rows.slots):
+        return None, None, None
+    ids = rows.tables[np.arange(rows.tables.shape[1]) < rows.num_blocks[:, None]]  # [P], row by row
+    row = np.repeat(np.arange(len(rows.slots)), rows.num_blocks)  # [P]
+    valid = np.ones((len(ids), block_size), dtype=bool)  # [P, bs]: every block is full but each row's last
+    used = rows.context_lens - (rows.num_blocks - 1) * block_size  # [B] tokens in each row's last block
+    valid[np.cumsum(rows.num_blocks) - 1] = np.arange(block_size) < used[:, None]
+    return tuple(to_device(torch.from_numpy(a), device) for a in (ids, row, valid))  # [P], [P], [P, bs]
+
 # %% ../nbs/02_paged_cache.ipynb #663c4964
 class DecodeAttention:
     "The reference decode backend: block lists, then `paged_decode_attention` (one gather for a lone row)."
 
     name = "torch"
+    table_width: int | None = None  # a fixed width of the block tables (CUDA graphs, 09); None: the step's
 
-    def prepare(
-        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
-    ) -> None:
-        "Fill `meta` with what `decode` reads for these decode items (table, cached, 1)."
-        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(items, meta.cache.block_size, device)
-        if not meta.prefills and len(items) == 1:  # one user: see "A decode row alone" below
-            table, cached, _ = items[0]
-            meta.lone_context = torch.tensor(table.slots(0, cached + 1), device=device)  # [cached + 1]
+    def prepare(self, meta: PagedBatch, rows: DecodeRows, device: torch.device) -> None:
+        "Fill `meta` with what `decode` reads for this step's decode rows."
+        bs = meta.cache.block_size
+        meta.block_ids, meta.block_row, meta.valid = _decode_blocks(rows, bs, device)
+        if not meta.prefills and len(rows.slots) == 1:  # one user: see "A decode row alone" below
+            n, ctx = int(rows.num_blocks[0]), int(rows.context_lens[0])
+            lone = (rows.tables[0, :n, None] * bs + np.arange(bs)).ravel()[:ctx]  # [ctx] its slots, in order
+            meta.lone_context = to_device(torch.from_numpy(lone), device)
 
     def decode(
         self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -610,18 +659,14 @@ def build(
     "The metadata of one step, built once and shared by all layers."
     if not 0 <= num_prefill <= len(items):
         raise ValueError(f"num_prefill={num_prefill} is not between 0 and the {len(items)} items")
-    for row, (_, _, n) in enumerate(items[num_prefill:]):
-        if n != 1:
-            raise ValueError(f"decode item {row} has num_new={n}: a decode row computes exactly one token")
-    slots: list[int] = []
-    for table, cached, n in items:
-        slots += table.slots(cached, cached + n)
-    prefills = _prefill_spans(items[:num_prefill], device)
-    slot_mapping = to_device(torch.tensor(slots, dtype=torch.long), device)  # [T]
     decoder = decoder or DecodeAttention()
+    rows = DecodeRows.of(items[num_prefill:], cache.block_size, decoder.table_width)  # refuses num_new > 1
+    slots = np.concatenate([t.slot_array(c, c + n) for t, c, n in items[:num_prefill]] + [rows.slots])
+    prefills = _prefill_spans(items[:num_prefill], device)
+    slot_mapping = to_device(torch.from_numpy(slots), device)  # [T]
     meta = cls(cache, slot_mapping, prefills, len(items) - num_prefill, decoder)
     if meta.num_decode:
-        decoder.prepare(meta, items[num_prefill:], device)
+        decoder.prepare(meta, rows, device)
     return meta
 
 

@@ -34,9 +34,9 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
     from minivllm.cuda_graphs import DecodeGraphs
 
 # %% auto #0
-__all__ = ['GENERATION_FIELDS', 'ATTENTION_BACKENDS', 'RELEASE_EVERY_S', 'json_object', 'parse_bytes', 'EngineArgs',
-           'generation_defaults', 'FlatBatch', 'attention_items', 'forward_flat', 'ModelRunner', 'make_decoder',
-           'uses_cuda_graphs', 'load_prepared', 'warmup_step', 'release_free_memory']
+__all__ = ['GENERATION_FIELDS', 'ATTENTION_BACKENDS', 'STEP_BUDGETS', 'RELEASE_EVERY_S', 'json_object', 'parse_bytes',
+           'EngineArgs', 'generation_defaults', 'FlatBatch', 'attention_items', 'forward_flat', 'ModelRunner',
+           'make_decoder', 'uses_cuda_graphs', 'resolve_steps', 'load_prepared', 'warmup_step', 'release_free_memory']
 
 # %% ../nbs/03a_runner.ipynb #14d1850a
 def _opt(default, help: str, **cli):
@@ -103,13 +103,22 @@ class EngineArgs:
         0.9, "on CUDA without a KV cache size: the share of GPU memory that model and KV cache may fill"
     )
     max_num_seqs: int = _opt(64, "sequences in one batch")
-    max_num_batched_tokens: int = _opt(2048, "tokens in one forward pass, the step's budget")
+    max_num_batched_tokens: int | None = _opt(
+        None, "tokens in one forward pass, the step's budget (default: 2048; 16384 with separate steps)"
+    )
     max_model_len: int | None = _opt(
         None,
         "tokens per sequence, prompt and output together (default: the "
         "model's context, capped by the KV cache)",
     )
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    prefill_steps: str = _opt(
+        "auto",
+        "what shares a step: mixed (decodes and prompt chunks in one budget: streams never pause), separate "
+        "(steps of prompts alone, then steps of decodes alone, which CUDA graphs replay: nano-vllm's way), "
+        "or auto: separate where decode steps replay from CUDA graphs, else mixed",
+        choices=["auto", "mixed", "separate"],
+    )
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")
     tensor_parallel_size: int = _opt(1, "ranks the model is split over (gloo on CPU, NCCL on CUDA)")
     quantization: str | None = _opt(
@@ -359,6 +368,20 @@ def uses_cuda_graphs(args: EngineArgs, device: torch.device) -> bool:
     "Whether decode steps replay from CUDA graphs: on CUDA, with the Triton backend, unless enforce_eager."
     triton_backend = args.attention_backend in ("auto", "triton") and _has_triton()
     return not args.enforce_eager and device.type == "cuda" and triton_backend
+
+
+STEP_BUDGETS = {"mixed": 2048, "separate": 16384}  # default tokens a step: a prompt step fills the GPU alone
+
+
+def resolve_steps(args: EngineArgs, device: torch.device) -> EngineArgs:
+    "`args` with `prefill_steps` decided (auto: separate where graphs replay decodes) and the budget set."
+    mode = args.prefill_steps
+    if mode == "auto":
+        mode = "separate" if uses_cuda_graphs(args, device) else "mixed"
+    if mode not in STEP_BUDGETS:
+        raise ValueError(f"prefill_steps {args.prefill_steps!r} unknown: use auto, mixed or separate")
+    budget = args.max_num_batched_tokens or STEP_BUDGETS[mode]
+    return dataclasses.replace(args, prefill_steps=mode, max_num_batched_tokens=budget)
 
 
 # %% ../nbs/03a_runner.ipynb #a00d0d8b

@@ -272,6 +272,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # tokens in one forward
     max_model_len: int  # prompt + output of one sequence
     enable_chunked_prefill: bool
+    separate_prefill: bool = False  # with chunking: steps of prompts alone, then steps of decodes alone (09)
 
 # %% ../nbs/03_scheduler.ipynb #40df72e7
 @dataclass
@@ -506,12 +507,17 @@ def _schedule_decodes(self: Scheduler) -> ScheduledBatch:
 
 
 @patch
-def _schedule_chunked(self: Scheduler) -> ScheduledBatch:
+def _schedule_chunked(self: Scheduler, rows: str = "all") -> ScheduledBatch:
     "Running sequences first (decodes and prompt chunks), then waiting ones in what is left of the budget."
+    # rows: "all" (mixed steps), or, for separate steps, "prompts" (chunks and new prompts) or "decodes"
     budget, items, preempted = self.config.max_num_batched_tokens, [], []
     i = 0
     while i < len(self.running) and budget > 0:
         seq = self.running[i]
+        decode = seq.num_computed >= seq.num_tokens - 1
+        if rows != "all" and decode != (rows == "decodes"):  # not this step's kind: it waits for its own
+            i += 1
+            continue
         if seq.draft:  # drafts take what the running sequences after this one leave of the budget
             n = self._fit_draft(seq, budget - (len(self.running) - i - 1))
         else:
@@ -520,7 +526,7 @@ def _schedule_chunked(self: Scheduler) -> ScheduledBatch:
             items.append((seq, n))
             budget -= n
             i += 1
-    if not preempted:
+    if not preempted and rows != "decodes":
         self._admit(budget, chunk=True, items=items)
     return ScheduledBatch.of(items, preempted)
 
@@ -528,6 +534,13 @@ def _schedule_chunked(self: Scheduler) -> ScheduledBatch:
 @patch
 def schedule(self: Scheduler) -> ScheduledBatch:
     "The work of the next step (empty when there is none)."
+    if self.config.enable_chunked_prefill and self.config.separate_prefill:
+        prompts = self._schedule_chunked("prompts")  # prompts under way and new ones, alone
+        if prompts.items:
+            return prompts
+        decodes = self._schedule_chunked("decodes")  # no prompt could go: the decodes' turn
+        decodes.preempted[:0] = prompts.preempted
+        return decodes
     if self.config.enable_chunked_prefill:
         return self._schedule_chunked()
     items: list[tuple[Sequence, int]] = []

@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
-from .paged_cache import BlockTable, DecodeAttention, PagedBatch, to_device
+from .paged_cache import DecodeAttention, DecodeRows, PagedBatch, to_device
 
 try:
     import triton
@@ -280,20 +281,12 @@ class TritonDecode(DecodeAttention):
     name = "triton"
 
     def __init__(self, max_blocks: int | None = None):  # fixed table width (CUDA graphs); None: the step's
-        self.max_blocks = max_blocks
+        self.max_blocks = self.table_width = max_blocks
 
-    def prepare(
-        self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]], device: torch.device
-    ) -> None:
+    def prepare(self, meta: PagedBatch, rows: DecodeRows, device: torch.device) -> None:
         "Block tables [B, width] int32 and context lengths [B] int32, in one pinned copy each."
-        bs = meta.cache.block_size
-        need = [-(-(cached + 1) // bs) for _, cached, _ in items]  # blocks holding each row's context
-        width = self.max_blocks or max(need)
-        if max(need) > width:
-            raise ValueError(f"a decode row reads {max(need)} blocks, past the table width {width}")
-        rows = [table.blocks[:k] + [0] * (width - k) for (table, _, _), k in zip(items, need)]
-        meta.block_tables = to_device(torch.tensor(rows, dtype=torch.int32), device)  # [B, width]
-        meta.context_lens = to_device(torch.tensor([c + 1 for _, c, _ in items], dtype=torch.int32), device)
+        meta.block_tables = to_device(torch.from_numpy(rows.tables.astype(np.int32)), device)  # [B, width]
+        meta.context_lens = to_device(torch.from_numpy(rows.context_lens.astype(np.int32)), device)  # [B]
 
     def decode(
         self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor

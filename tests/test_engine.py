@@ -356,6 +356,19 @@ def test_greedy_parity_with_transformers(tiny, block_size, chunked):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_separate_prefill_steps_change_nothing_but_the_steps(tiny, params):
+    "Steps of prompts alone, then of decodes alone (the CUDA-graph policy): the same tokens as mixed steps."
+    mixed = llm(tiny, max_num_batched_tokens=16, log_steps=True)
+    separate = llm(tiny, max_num_batched_tokens=16, prefill_steps="separate", log_steps=True)
+    a, b = (tokens(x.generate(PROMPTS, params, use_tqdm=False)) for x in (mixed, separate))
+    assert a == b
+    log = separate.engine.step_log
+    assert all(s.prefill_tokens == 0 or s.decode_seqs == 0 for s in log), "a step held prompts and decodes"
+    assert any(s.prefill_tokens and s.decode_seqs for s in mixed.engine.step_log)  # the policy made a difference
+    assert separate.engine.args.prefill_steps == "separate" and mixed.engine.args.prefill_steps == "mixed"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_batched_equals_alone(tiny, params):
     batched = tokens(llm(tiny).generate(PROMPTS, params, use_tqdm=False))
     alone = [tokens(llm(tiny).generate(p, params, use_tqdm=False))[0] for p in PROMPTS]
@@ -368,11 +381,13 @@ def test_batched_equals_alone(tiny, params):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("chunked,prefix", [(True, True), (True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("chunked,prefix", [(True, True), (True, False), (False, False), (False, True),
+                                            ("separate", True), ("separate", False)])
 def test_preemption_is_invisible(tiny, params, chunked, prefix):
     ref = tokens(llm(tiny, enable_prefix_caching=False).generate(PROMPTS, params, use_tqdm=False))
     kw = dict(max_num_batched_tokens=10) if chunked else {}
-    tight = llm(tiny, num_kv_blocks=12, block_size=4, enable_chunked_prefill=chunked, max_model_len=48,
+    kw |= dict(prefill_steps="separate") if chunked == "separate" else {}
+    tight = llm(tiny, num_kv_blocks=12, block_size=4, enable_chunked_prefill=bool(chunked), max_model_len=48,
                 enable_prefix_caching=prefix, **kw)
     got = tokens(tight.generate(PROMPTS, params, use_tqdm=False))
     st = tight.engine.stats()
@@ -743,7 +758,10 @@ def test_engine_args_one_place_for_every_default(tiny):
     import argparse, dataclasses
     from minivllm.engine import EngineArgs
     eng = engine(tiny)
-    assert eng.args == dataclasses.replace(EngineArgs(), num_kv_blocks=256, block_size=4)
+    # the defaults, with what the device decides filled in: on the CPU, mixed steps of 2,048 tokens
+    assert EngineArgs().prefill_steps == "auto" and EngineArgs().max_num_batched_tokens is None
+    assert eng.args == dataclasses.replace(EngineArgs(), num_kv_blocks=256, block_size=4,
+                                           prefill_steps="mixed", max_num_batched_tokens=2048)
     assert eng.scheduler.config.max_num_seqs == EngineArgs().max_num_seqs == 64
     with pytest.raises(TypeError, match="no_such_option"):
         engine(tiny, no_such_option=1)

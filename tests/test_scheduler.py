@@ -59,8 +59,9 @@ def test_sequence_bookkeeping():
 # Admission checks
 
 def make(num_blocks=16, block_size=4, chunked=True, budget=64, cap=8, max_model_len=64, prefix=False):
+    "chunked: True (mixed steps), 'separate' (chunks in steps of prompts alone, then decodes alone) or False."
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(SchedulerConfig(cap, budget, max_model_len, chunked), bm), bm
+    return Scheduler(SchedulerConfig(cap, budget, max_model_len, bool(chunked), chunked == "separate"), bm), bm
 
 
 def seq(bm, n, rid="r", base=100, **kw):
@@ -119,6 +120,9 @@ class FakeModel:
             prefill = [id(s) not in was_running and n == s.num_tokens - s.num_computed for s, n in b.items]
             decode = [id(s) in was_running and n == 1 and s.num_computed == s.num_tokens - 1 for s, n in b.items]
             assert all(prefill) or all(decode), "without chunking a step is all whole prefills or all decodes"
+        if cfg.separate_prefill:  # a decode of a running sequence never shares a step with a prompt's tokens
+            decode = [id(s) in was_running and n == 1 and s.num_computed == s.num_tokens - 1 for s, n in b.items]
+            assert all(decode) or not any(decode), "separate steps: all decodes or none"
         if not bm.enable_prefix_caching:
             assert all(s.num_computed == 0 for s, _ in b.items if id(s) not in was_running)
         for s, n in b.items:
@@ -184,7 +188,7 @@ def drive(sched, bm, arrivals, max_out, max_model_len, aborts=(), max_steps=2000
 # ---------------------------------------------------------------------------------------------------------------
 # The notebook's two runs, checked
 
-@pytest.mark.parametrize("chunked,budget", [(False, 48), (True, 8)])
+@pytest.mark.parametrize("chunked,budget", [(False, 48), (True, 8), ("separate", 8)])
 def test_four_prompts_in_a_small_pool(chunked, budget):
     sched, bm = make(num_blocks=14, block_size=4, chunked=chunked, budget=budget, max_model_len=48)
     seqs = [seq(bm, 10, f"r{i}") for i in range(4)]
@@ -320,6 +324,13 @@ def test_random_workloads_chunked(prefix, w):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads(chunked=True))
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_random_workloads_separate_steps(prefix, w):
+    run_and_label("separate", prefix, w)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads(chunked=False))
 def test_random_workloads_without_chunking(w):
     run_and_label(False, False, w)
@@ -344,7 +355,7 @@ def test_prefix_hit_of_all_but_one_token_then_a_prefill_without_chunking():
 
 
 @pytest.mark.parametrize("chunked,prefix", [
-    (True, False), (True, True), (False, False), (False, True)])
+    (True, False), (True, True), (False, False), (False, True), ("separate", False), ("separate", True)])
 def test_a_busy_workload_preempts_and_recovers(chunked, prefix):
     "A fixed heavy case, so that preemption under load is exercised on every run (hypothesis may draw light ones)."
     import random
