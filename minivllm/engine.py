@@ -52,9 +52,10 @@ if TYPE_CHECKING:  # imported where graphs are built: it imports triton
 
 
 # %% auto #0
-__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'Logprob', 'apply_penalties', 'nucleus', 'filter_logits', 'Sampler', 'draw_token',
-           'nucleus_rows', 'draw_tokens', 'detokenize_incrementally', 'CompletionOutput', 'RequestMetrics',
-           'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'apply_logit_bias', 'LLM', 'main']
+__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'DETOKENIZE_WINDOW', 'Logprob', 'apply_penalties', 'nucleus', 'filter_logits',
+           'Sampler', 'draw_token', 'nucleus_rows', 'draw_tokens', 'detokenize_incrementally', 'CompletionOutput',
+           'RequestMetrics', 'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'apply_logit_bias', 'LLM',
+           'main']
 
 # %% ../nbs/04_engine.ipynb #3c2b9506
 @dataclass
@@ -342,19 +343,27 @@ def __call__(
 
 
 # %% ../nbs/04_engine.ipynb #0dd0b9be
+DETOKENIZE_WINDOW = 8  # tokens the engine's detokenizer prefix may grow to: one decode a token, not two
+
+
 def detokenize_incrementally(
     tokenizer: Tokenizer,
     ids: list[int],
     prefix_offset: int,
     read_offset: int,
     skip_special_tokens: bool = True,
-) -> tuple[str, int, int]:
-    "New text of `ids` since `read_offset` (empty while a character is incomplete), and the new offsets."
-    prefix = tokenizer.decode(ids[prefix_offset:read_offset], skip_special_tokens)
+    prefix_text: str | None = None,  # the text of ids[prefix_offset:read_offset], where the caller kept it
+    window: int = 0,  # how many tokens the prefix may grow to before it moves up (0: at every new text)
+) -> tuple[str, int, int, str | None]:
+    "New text of `ids` since `read_offset` (empty while a character is incomplete), the new offsets and prefix."
+    if prefix_text is None:
+        prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], skip_special_tokens)
     full = tokenizer.decode(ids[prefix_offset:], skip_special_tokens)
-    if len(full) > len(prefix) and not full.endswith("\ufffd"):
-        return full[len(prefix) :], read_offset, len(ids)
-    return "", prefix_offset, read_offset
+    if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+        return "", prefix_offset, read_offset, prefix_text
+    if len(ids) - prefix_offset <= window:  # the prefix grows to take the new tokens: `full` is its text
+        return full[len(prefix_text) :], prefix_offset, len(ids), full
+    return full[len(prefix_text) :], read_offset, len(ids), None  # it moves up; its text is decoded next time
 
 # %% ../nbs/04_engine.ipynb #811509b9
 @dataclass
@@ -411,6 +420,7 @@ class _SequenceText:
     generator: torch.Generator | None
     prefix_offset: int
     read_offset: int
+    prefix_text: str | None = None  # the detokenizer's decode of the tokens [prefix_offset:read_offset], kept
     text: str = ""
     emitted_chars: int = 0  # text already handed out
     emitted_tokens: int = 0
@@ -815,9 +825,10 @@ def _add_text(self: LLMEngine, st: _SequenceText) -> None:
         )  # the grammar has ended (with its stop token): so does the sequence
     if seq.finish_reason == "stop":  # ended by a stop token: its text is not part of the output
         return
-    new, st.prefix_offset, st.read_offset = detokenize_incrementally(
-        self.tokenizer, seq.token_ids, st.prefix_offset, st.read_offset, p.skip_special_tokens
-    )
+    new, st.prefix_offset, st.read_offset, st.prefix_text = detokenize_incrementally(
+        self.tokenizer, seq.token_ids, st.prefix_offset, st.read_offset, p.skip_special_tokens,
+        st.prefix_text, DETOKENIZE_WINDOW,
+    )  # fmt: skip
     st.text += new
     if not p.stop or seq.num_output_tokens < p.min_tokens:
         return
@@ -895,8 +906,8 @@ def _completion(self: LLMEngine, st: _SequenceText) -> CompletionOutput:
 @patch
 def _output(self: LLMEngine, req: _Request) -> RequestOutput:
     "A request's output after this step; a finished request leaves the engine."
-    outs = [self._completion(t) for t in req.texts]
-    if req.finished:
+    outs, finished = [self._completion(t) for t in req.texts], req.finished
+    if finished:
         req.metrics.finished_time = time.monotonic()
         self.requests.pop(req.request_id, None)
         for t in req.texts:
@@ -906,7 +917,7 @@ def _output(self: LLMEngine, req: _Request) -> RequestOutput:
         req.prompt,
         req.prompt_token_ids,
         outs,
-        req.finished,
+        finished,
         req.metrics,
         req.texts[0].seq.num_cached_tokens or 0,
         req.error,

@@ -214,19 +214,19 @@ def can_append(self: BlockManager, table: BlockTable, n: int, reserve: int = 0) 
 @patch
 def append(self: BlockManager, table: BlockTable, n: int) -> None:
     "Reserve slots for `n` more tokens; raises OutOfBlocks (and changes nothing) when they do not fit."
-    need = self._new_blocks_needed(table, n)
-    if need > self.allocator.num_free:
-        raise OutOfBlocks(f"{need} more blocks needed, {self.allocator.num_free} free")
-    # nothing below can fail: `need` counted every block it takes
-    if self._last_block_shared(table, n):  # copy-on-write: our next token must not land in a shared block
+    shared = self._last_block_shared(table, n)
+    new = self.blocks_for(table.num_tokens + n) - len(table.blocks)  # most decode steps: 0, nothing to do
+    if new + shared > self.allocator.num_free:
+        raise OutOfBlocks(f"{new + shared} more blocks needed, {self.allocator.num_free} free")
+    # nothing below can fail: `new + shared` counted every block it takes
+    if shared:  # copy-on-write: our next token must not land in a shared block
         src = table.blocks[-1]
         dst = self._allocate()
         self.allocator.free(src)
         table.blocks[-1] = dst
-        table.changed()
         self.pending_copies.append((src, dst))
-    while len(table.blocks) < self.blocks_for(table.num_tokens + n):
-        table.blocks.append(self._allocate())
+    table.blocks += [self._allocate() for _ in range(new)]
+    if shared or new:
         table.changed()
     table.num_tokens += n
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fastcore.basics import patch
 
-from .paged_cache import BlockManager, BlockTable
+from .paged_cache import BlockManager, BlockTable, OutOfBlocks
 
 if typing.TYPE_CHECKING:
     from minivllm.structured import StructuredOutputsParams
@@ -469,14 +469,16 @@ def preempt(self: Scheduler, seq: Sequence) -> None:
 @patch
 def _reserve(self: Scheduler, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
     "Reserve n slots for a running sequence, preempting the most recently admitted ones as needed."
-    while not self.block_manager.can_append(seq.block_table, n):
-        victim = self.running[-1]
-        self.preempt(victim)
-        preempted.append(victim)
-        if victim is seq:
-            return False
-    self.block_manager.append(seq.block_table, n)
-    return True
+    while True:
+        try:
+            self.block_manager.append(seq.block_table, n)  # changes nothing when the blocks are not there
+            return True
+        except OutOfBlocks:
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
 
 # %% ../nbs/03_scheduler.ipynb #9fd81b49
 @patch

@@ -240,15 +240,16 @@ def test_sampler_logprobs_are_the_raw_distributions():
 CJK_EMOJI = ["你好，世界！", "🎉 party 🎉🎉", "naïve café — 日本語のテキスト", "👩‍👩‍👧 family", "mixed ascii 中文 and 😀 ok"]
 
 
-def check_incremental(tok: Tokenizer, text: str) -> int:
+def check_incremental(tok: Tokenizer, text: str, window: int = 0) -> int:
     "Feed the tokens of `text` one by one; deltas never hold half a character and add up to the text."
     prompt = tok.encode("prompt: ")
     ids = list(prompt)
     pre = read = len(prompt)
-    out, split = "", 0
+    out, split, kept = "", 0, None
     for t in tok.encode(text):
         ids.append(t)
-        new, pre, read = detokenize_incrementally(tok, ids, pre, read)
+        new, pre, read, kept = detokenize_incrementally(tok, ids, pre, read, True, kept, window)
+        assert kept is None or kept == tok.decode(ids[pre:read])  # the text it keeps is its prefix's
         assert "\ufffd" not in new, (text, new)
         split += new == ""
         out += new
@@ -256,8 +257,9 @@ def check_incremental(tok: Tokenizer, text: str) -> int:
     return split
 
 
-def test_detokenize_incrementally_tiny_byte_tokenizer(tiny):
-    held = sum(check_incremental(tiny[1], t) for t in CJK_EMOJI)
+@pytest.mark.parametrize("window", [0, 1, 3, 8])
+def test_detokenize_incrementally_tiny_byte_tokenizer(tiny, window):
+    held = sum(check_incremental(tiny[1], t, window) for t in CJK_EMOJI)
     assert held > 10  # one token per byte: many steps held a partial character back
 
 
@@ -702,7 +704,8 @@ def test_bundled_tokenizer_detokenizes_incrementally(bundled):
     tok = bundled[1]
     assert any("\ufffd" in tok.decode([t]) for s in CJK_EMOJI for t in tok.encode(s))  # split characters exist
     for text in CJK_EMOJI + ["def f():\n    return '✓'  # 完成"]:
-        check_incremental(tok, text)
+        for window in (0, 8):  # as the function alone runs it, and as the engine does (DETOKENIZE_WINDOW)
+            check_incremental(tok, text, window)
 
 
 @pytest.mark.slow
