@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import itertools
 import json
 import logging
@@ -1479,7 +1480,7 @@ def check_quantization(quantization: str | None) -> None:
 def prepare_model(
     model: Qwen2ForCausalLM, quantization: str | None = None, pack: bool | None = None
 ) -> Qwen2ForCausalLM:
-    "The CPU's kernels put into a plain model, in place (`pack`: True oneDNN, False nn.Linear, None measure)."
+    "The device's kernels put into a plain model, in place (`pack`: True oneDNN, False plain, None measure)."
     check_quantization(quantization)
     on_cpu = model.lm_head.weight.device.type == "cpu"
     if quantization is not None and not on_cpu:
@@ -1487,6 +1488,10 @@ def prepare_model(
     if on_cpu and (pack is not False or quantization is not None):
         prepare_linears(model, quantization, pack, kept=PlanCache.here())  # plans measured here before: kept
         prepare_norms(model)  # RMSNorm and rotary in one C call each
+    elif not on_cpu and pack is None and importlib.util.find_spec("triton") is not None:
+        from minivllm.fused_kernels import fuse_model  # imports triton
+
+        fuse_model(model)  # a GPU's: add + RMSNorm, SiLU-and-mul and rotary in a Triton kernel each (08a)
     elif pack:
         pack_linears(model)  # off the CPU: refused, with the reason
     return model

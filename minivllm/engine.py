@@ -355,7 +355,7 @@ def detokenize_incrementally(
     prefix_text: str | None = None,  # the text of ids[prefix_offset:read_offset], where the caller kept it
     window: int = 0,  # how many tokens the prefix may grow to before it moves up (0: at every new text)
 ) -> tuple[str, int, int, str | None]:
-    "New text of `ids` since `read_offset` (empty while a character is incomplete), the new offsets and prefix."
+    "New text of `ids` since `read_offset` (empty while a character is incomplete); new offsets and prefix."
     if prefix_text is None:
         prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], skip_special_tokens)
     full = tokenizer.decode(ids[prefix_offset:], skip_special_tokens)

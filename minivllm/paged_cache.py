@@ -634,6 +634,19 @@ class DecodeAttention:
             lone = (rows.tables[0, :n, None] * bs + np.arange(bs)).ravel()[:ctx]  # [ctx] its slots, in order
             meta.lone_context = to_device(torch.from_numpy(lone), device)
 
+    def store(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,  # [T] flat slots
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+    ) -> None:
+        "Write the step's k, v [T, Hkv, D] into one layer's pools at the flat `slots` [T] (08: one kernel)."
+        Hkv, D = k_pool.shape[2], k_pool.shape[3]
+        k_pool.view(-1, Hkv, D).index_copy_(0, slots, k)  # [num_blocks * bs, Hkv, D]: a row per slot
+        v_pool.view(-1, Hkv, D).index_copy_(0, slots, v)
+
     def decode(
         self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
@@ -705,8 +718,7 @@ def attend(
     vp = self.cache.v[layer_idx]
     Hkv, D = kp.shape[2], kp.shape[3]
     kslots, vslots = kp.view(-1, Hkv, D), vp.view(-1, Hkv, D)  # [num_blocks * bs, Hkv, D]: a row per slot
-    kslots.index_copy_(0, self.slot_mapping, k)  # 1. write the new K/V into their slots
-    vslots.index_copy_(0, self.slot_mapping, v)
+    self.decoder.store(kp, vp, self.slot_mapping, k, v)  # 1. write the new K/V into their slots
     on_gpu = self.prefills and q.device.type != "cpu"
     fused = batched_prefill(q, k, v, self.prefills) if on_gpu else None  # 2. prefill: fresh prompts at once
     out = [] if fused is None else [fused]

@@ -36,7 +36,8 @@ def interpreting() -> bool:
 
 # %% auto #0
 __all__ = ['HAS_TRITON', 'NOT_INTERPRETING', 'MIN_BLOCKS_PER_SPLIT', 'interpreting', 'decode_attention_reference',
-           'random_decode_batch', 'split_plan', 'num_sms', 'paged_decode_attention_triton', 'TritonDecode']
+           'random_decode_batch', 'split_plan', 'num_sms', 'paged_decode_attention_triton', 'store_kv_triton',
+           'TritonDecode']
 
 # %% ../nbs/08_triton_attention.ipynb #6f42389c
 def decode_attention_reference(
@@ -274,6 +275,44 @@ def paged_decode_attention_triton(
     return out
 
 
+# %% ../nbs/08_triton_attention.ipynb #b4e1d2f3
+if HAS_TRITON:
+    # fmt: off
+    @triton.jit
+    def _store_kv_kernel(
+        k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr,  # k, v: [T, H, D] strided; pools: [slots, H, D]; slots: [T]
+        H, D, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+        H_P: tl.constexpr, D_P: tl.constexpr,
+    ):
+        t = tl.program_id(0)  # one program per token: its K and V, all heads
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        h = tl.arange(0, H_P)[:, None]
+        d = tl.arange(0, D_P)[None, :]
+        mask = (h < H) & (d < D)  # every slot is a real one: a graph's padded rows write to its scratch block
+        dst = slot * H * D + h * D + d
+        k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
+        v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
+        tl.store(kp_ptr + dst, k, mask=mask)
+        tl.store(vp_ptr + dst, v, mask=mask)
+    # fmt: on
+
+
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
+) -> None:
+    "`DecodeAttention.store`'s writes in one launch: k, v [T, Hkv, D] (strided views) into one layer's pools."
+    T, H, D = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("store_kv_triton needs contiguous pools and k, v contiguous in their last dimension")
+    if k_pool.shape[2:] != (H, D) or v.shape != k.shape or slots.shape != (T,):
+        shapes = f"k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
+        raise ValueError(f"{shapes} do not fit pools {tuple(k_pool.shape)}")
+    if T:
+        H_P, D_P = triton.next_power_of_2(H), triton.next_power_of_2(D)
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        _store_kv_kernel[(T,)](k, v, k_pool, v_pool, slots, H, D, *strides, H_P=H_P, D_P=D_P)
+
+
 # %% ../nbs/08_triton_attention.ipynb #78eb8e3b
 class TritonDecode(DecodeAttention):
     "Decode attention through `paged_decode_attention_triton`, over block tables padded to one width."
@@ -287,6 +326,17 @@ class TritonDecode(DecodeAttention):
         "Block tables [B, width] int32 and context lengths [B] int32, in one pinned copy each."
         meta.block_tables = to_device(torch.from_numpy(rows.tables.astype(np.int32)), device)  # [B, width]
         meta.context_lens = to_device(torch.from_numpy(rows.context_lens.astype(np.int32)), device)  # [B]
+
+    def store(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,  # [T] flat slots
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+    ) -> None:
+        "The step's K/V into their slots: one launch (`store_kv_triton`)."
+        store_kv_triton(k, v, k_pool, v_pool, slots)
 
     def decode(
         self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
