@@ -281,11 +281,11 @@ if HAS_TRITON:
     @triton.jit
     def _store_kv_kernel(
         k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr,  # k, v: [T, H, D] strided; pools: [slots, H, D]; slots: [T]
-        H, D, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+        H, D, k_stride_t, k_stride_h, v_stride_t, v_stride_h, slot_stride,
         H_P: tl.constexpr, D_P: tl.constexpr,
     ):
         t = tl.program_id(0)  # one program per token: its K and V, all heads
-        slot = tl.load(slot_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)  # a column of 09's input buffer is strided
         h = tl.arange(0, H_P)[:, None]
         d = tl.arange(0, D_P)[None, :]
         mask = (h < H) & (d < D)  # every slot is a real one: a graph's padded rows write to its scratch block
@@ -309,7 +309,7 @@ def store_kv_triton(
         raise ValueError(f"{shapes} do not fit pools {tuple(k_pool.shape)}")
     if T:
         H_P, D_P = triton.next_power_of_2(H), triton.next_power_of_2(D)
-        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.stride(0))
         _store_kv_kernel[(T,)](k, v, k_pool, v_pool, slots, H, D, *strides, H_P=H_P, D_P=D_P)
 
 

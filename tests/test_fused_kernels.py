@@ -93,7 +93,9 @@ def test_store_kv_kernel_writes_what_the_reference_writes(dtype):
     slots = torch.tensor([3, 9, 22, 0, 17, 23, 4])
     pools = [torch.zeros(6, 4, 2, 64, dtype=dtype) for _ in range(4)]
     DecodeAttention().store(pools[0], pools[1], slots, k, v)
-    store_kv_triton(k, v, pools[2], pools[3], slots)
+    buffer = torch.zeros(7, 5, dtype=torch.long)  # slots as a column of a larger buffer, as 09's graphs hold them
+    buffer[:, 2] = slots
+    store_kv_triton(k, v, pools[2], pools[3], buffer[:, 2])
     assert torch.equal(pools[2], pools[0]) and torch.equal(pools[3], pools[1])
     assert int((pools[2] != 0).any(-1).any(-1).sum()) == 7  # every slot written, no other
     with pytest.raises(ValueError, match="do not fit"):
@@ -153,6 +155,13 @@ def test_fused_model_gives_01s_logits_and_runs_10_kernels_a_layer():
     assert not any(n.startswith("_local_scalar_dense") or n == "nonzero" for n in names)  # graph-safe: no sync
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    "The tiny model with sharp next-token distributions: a wrong K/V changes its tokens (conftest's `tiny`)."
+    from conftest import tiny_model_folder
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-sharp"), sharp=True)
+
+
 def fused_pair(tiny):
     "The tiny model and a fused copy of it (a deep copy: the module's own `tiny` stays plain)."
     model, tok = tiny
@@ -204,7 +213,18 @@ def test_fused_model_under_the_graph_runner(tiny, monkeypatch):
     monkeypatch.setattr(cg, "cuda_capture", cg.eager_capture)
     plain, fused = fused_pair(tiny)
     want = run(plain, attention_backend="torch")
-    assert run(fused, max_num_seqs=6) == want
+    model, tok = fused
+    engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=256, attention_backend="triton", max_num_seqs=6)
+    graphs, replays = engine.runner.graphs, []
+    assert graphs is not None
+    for size, (replay, out) in list(graphs.graphs.items()):
+        graphs.graphs[size] = ((lambda r=replay, s=size: replays.append(s) or r()), out)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert [done[i] for i in ids] == want
+    assert replays and 4 in replays  # decode steps replayed the fused layers, padded rows included
 
 
 def test_prepare_model_fuses_only_off_the_cpu(tiny):
