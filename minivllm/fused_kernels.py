@@ -85,9 +85,6 @@ def _runs_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.device.type != "cpu" or interpreting())
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
-
 # %% ../nbs/08a_fused_kernels.ipynb #e036196d
 if HAS_TRITON:
 
@@ -159,8 +156,9 @@ def add_rms_norm(
     out = torch.empty_like(x)
     s = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual
+    block = triton.next_power_of_2(N)  # the whole row in one block
     _add_rms_norm_kernel[(T,)](x, r, norm.weight, out, s, N, x.stride(0), r.stride(0), norm.eps,
-                               HAS_RESIDUAL=residual is not None, BLOCK=_pow2(N))  # fmt: skip
+                               HAS_RESIDUAL=residual is not None, BLOCK=block)  # fmt: skip
     return out, s
 
 
@@ -170,7 +168,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_reference(gate_up)
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(T, I)
-    BLOCK = min(1024, _pow2(I))
+    BLOCK = min(1024, triton.next_power_of_2(I))
     _silu_and_mul_kernel[(T, triton.cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), BLOCK=BLOCK)
     return out
 
@@ -181,8 +179,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return apply_rotary(x, cos, sin)
     T, H, D = x.shape
     out = x.new_empty(T, H, D)
-    _rotary_kernel[(T,)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0),
-                         HALF=D // 2, H_P=_pow2(H), HALF_P=_pow2(D // 2))  # fmt: skip
+    half = D // 2
+    _rotary_kernel[(T,)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0), HALF=half,
+                         H_P=triton.next_power_of_2(H), HALF_P=triton.next_power_of_2(half))  # fmt: skip
     return out
 
 # %% ../nbs/08a_fused_kernels.ipynb #f08d0662

@@ -103,20 +103,16 @@ class EngineArgs:
         0.9, "on CUDA without a KV cache size: the share of GPU memory that model and KV cache may fill"
     )
     max_num_seqs: int = _opt(64, "sequences in one batch")
-    max_num_batched_tokens: int | None = _opt(
-        None, "tokens in one forward pass, the step's budget (default: 2048; 16384 with separate steps)"
-    )
+    max_num_batched_tokens: int | None = _opt(None, "tokens a step (default 2048; 16384 in separate steps)")
     max_model_len: int | None = _opt(
-        None,
-        "tokens per sequence, prompt and output together (default: the "
-        "model's context, capped by the KV cache)",
+        None, "tokens per sequence, prompt and output (default: the model's context, capped by the KV cache)"
     )
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     prefill_steps: str = _opt(
         "auto",
-        "what shares a step: mixed (decodes and prompt chunks in one budget: streams never pause), separate "
-        "(steps of prompts alone, then steps of decodes alone, which CUDA graphs replay: nano-vllm's way), "
-        "or auto: separate where decode steps replay from CUDA graphs, else mixed",
+        "mixed (decodes and prompt chunks share a step: streams never pause), separate (steps of prompts "
+        "alone, then of decodes alone, which CUDA graphs replay: nano-vllm's way), or auto: separate where "
+        "graphs replay",
         choices=["auto", "mixed", "separate"],
     )
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")

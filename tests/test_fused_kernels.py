@@ -170,17 +170,20 @@ def fused_pair(tiny):
     return (model, tok), (fused, tok)
 
 
-def run(tiny, prompts=PROMPTS, **kw) -> list[list[int]]:
-    model, tok = tiny
-    engine = LLMEngine(model, tok, **{"block_size": 4, "num_kv_blocks": 256, "attention_backend": "triton", **kw})
+def finish(engine: LLMEngine, prompts: list[str]) -> list[list[int]]:
+    "Token ids of each prompt, all added at once and stepped to the end; every block comes back."
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks  # every block came back
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
     return [done[i] for i in ids]
+
+
+def run(tiny, prompts=PROMPTS, **kw) -> list[list[int]]:
+    model, tok = tiny
+    kw = {"block_size": 4, "num_kv_blocks": 256, "attention_backend": "triton", **kw}
+    return finish(LLMEngine(model, tok, **kw), prompts)
 
 
 @needs_triton
@@ -198,11 +201,7 @@ def test_fused_engine_preemption_prefix_caching_and_separate_steps_are_invisible
     model, tok = fused
     engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=30, attention_backend="triton",
                        enable_prefix_caching=prefix, max_num_batched_tokens=32, prefill_steps="separate")
-    ids = [engine.add_request(p, GREEDY) for p in shared]
-    done = {}
-    while engine.has_unfinished_requests():
-        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
-    assert [done[i] for i in ids] == want
+    assert finish(engine, shared) == want
     assert engine.stats().num_preemptions > 0
 
 
@@ -219,11 +218,7 @@ def test_fused_model_under_the_graph_runner(tiny, monkeypatch):
     assert graphs is not None
     for size, (replay, out) in list(graphs.graphs.items()):
         graphs.graphs[size] = ((lambda r=replay, s=size: replays.append(s) or r()), out)
-    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    done = {}
-    while engine.has_unfinished_requests():
-        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
-    assert [done[i] for i in ids] == want
+    assert finish(engine, PROMPTS) == want
     assert replays and 4 in replays  # decode steps replayed the fused layers, padded rows included
 
 
