@@ -24,6 +24,7 @@ from minivllm.triton_attention import HAS_TRITON, interpreting, store_kv_triton
 needs_triton = pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="triton's interpreter is not on")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LOGPROBS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)  # the chosen token's
 PROMPTS = ["Hello there", "The quick brown fox jumps", "a", "Fused kernels read each row once " * 3]
 
 if HAS_TRITON:
@@ -170,12 +171,12 @@ def fused_pair(tiny):
     return (model, tok), (fused, tok)
 
 
-def finish(engine: LLMEngine, prompts: list[str]) -> list[list[int]]:
-    "Token ids of each prompt, all added at once and stepped to the end; every block comes back."
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
+def finish(engine: LLMEngine, prompts: list[str], params: SamplingParams = GREEDY) -> list:
+    "Each prompt's final completion, all added at once and stepped to the end; every block comes back."
+    ids = [engine.add_request(p, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
-        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
     assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
     return [done[i] for i in ids]
 
@@ -183,13 +184,23 @@ def finish(engine: LLMEngine, prompts: list[str]) -> list[list[int]]:
 def run(tiny, prompts=PROMPTS, **kw) -> list[list[int]]:
     model, tok = tiny
     kw = {"block_size": 4, "num_kv_blocks": 256, "attention_backend": "triton", **kw}
-    return finish(LLMEngine(model, tok, **kw), prompts)
+    return [o.token_ids for o in finish(LLMEngine(model, tok, **kw), prompts)]
+
+
+def same_logprobs(got: list, want: list) -> None:
+    "The same tokens with the same log-probabilities: K/V in a wrong slot moves these before any arg-max."
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        for t, a, b in zip(g.token_ids, g.logprobs, w.logprobs):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4, (t, a[t], b[t])
 
 
 @needs_triton
 def test_engine_greedy_tokens_unchanged_by_fusion(tiny):
     plain, fused = fused_pair(tiny)
     assert run(fused) == run(plain)
+    engines = [LLMEngine(*m, block_size=4, num_kv_blocks=256, attention_backend="triton") for m in (fused, plain)]
+    same_logprobs(*(finish(e, PROMPTS, LOGPROBS) for e in engines))
 
 
 @needs_triton
@@ -201,24 +212,26 @@ def test_fused_engine_preemption_prefix_caching_and_separate_steps_are_invisible
     model, tok = fused
     engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=30, attention_backend="triton",
                        enable_prefix_caching=prefix, max_num_batched_tokens=32, prefill_steps="separate")
-    assert finish(engine, shared) == want
+    assert [o.token_ids for o in finish(engine, shared)] == want
     assert engine.stats().num_preemptions > 0
 
 
 @needs_triton
 def test_fused_model_under_the_graph_runner(tiny, monkeypatch):
     # the CUDA-graph path with the capture faked: decode steps replay the fused layers from fixed buffers
+    plain, fused = fused_pair(tiny)
+    reference = LLMEngine(*plain, block_size=4, num_kv_blocks=256, attention_backend="torch")
+    assert reference.runner.graphs is None  # made before the patch below: 02's eager path, no graph
+    want = finish(reference, PROMPTS, LOGPROBS)
     monkeypatch.setattr(eng, "uses_cuda_graphs", lambda args, device: not args.enforce_eager)
     monkeypatch.setattr(cg, "cuda_capture", cg.eager_capture)
-    plain, fused = fused_pair(tiny)
-    want = run(plain, attention_backend="torch")
     model, tok = fused
     engine = LLMEngine(model, tok, block_size=4, num_kv_blocks=256, attention_backend="triton", max_num_seqs=6)
     graphs, replays = engine.runner.graphs, []
     assert graphs is not None
     for size, (replay, out) in list(graphs.graphs.items()):
         graphs.graphs[size] = ((lambda r=replay, s=size: replays.append(s) or r()), out)
-    assert finish(engine, PROMPTS) == want
+    same_logprobs(finish(engine, PROMPTS, LOGPROBS), want)
     assert replays and 4 in replays  # decode steps replayed the fused layers, padded rows included
 
 
