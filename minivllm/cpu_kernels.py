@@ -43,6 +43,7 @@ from minivllm.paged_cache import (
     _decode_blocks,
 )
 from .qwen2 import apply_rotary, Qwen2ForCausalLM, RMSNorm
+from .runner import DecodeBackend, register_decoder, register_preparer  # 03a's seams, filled here
 from .utils import cache_dir, cpu_flags, cpu_has_bf16, cpuinfo, row_bucket
 
 log = logging.getLogger("minivllm")
@@ -51,12 +52,12 @@ QUANTIZATIONS = ("int8", "int4")
 # %% auto #0
 __all__ = ['log', 'QUANTIZATIONS', 'PACK_BATCH_HINT', 'QUANT_CHUNK', 'SPLIT_LEVELS', 'CSRC', 'IsaTable', 'PORTABLE', 'C_FLAGS',
            'CFunctions', 'INT4_ISAS', 'INT4_FUNCTIONS', 'SHORTLIST', 'F32_ISAS', 'F32_FUNCTIONS', 'ATTN_FUNCTIONS',
-           'NORM_FUNCTIONS', 'Kernel', 'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN', 'TWO_LAYOUTS_SHARE',
-           'HEAD_FUNCTIONS', 'GREEDY_SHORTLIST', 'PLANS_VERSION', 'packing_supported', 'PackedLinear', 'pack_linears',
-           'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'split_rows',
-           'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size', 'quantize_int4',
-           'dequantize_int4', 'int4_supported', 'Int4Linear', 'c_lines', 'show_c', 'isas_here', 'isa_here',
-           'CBuildError', 'c_compiler', 'sources_digest', 'compile_kernels', 'c_library', 'run_selftests',
+           'on_cpu_only', 'NORM_FUNCTIONS', 'Kernel', 'TIME_ROWS', 'HEAD_ROWS', 'Plan', 'PLAN_MARGIN',
+           'TWO_LAYOUTS_SHARE', 'HEAD_FUNCTIONS', 'GREEDY_SHORTLIST', 'PLANS_VERSION', 'packing_supported',
+           'PackedLinear', 'pack_linears', 'once_per_weight', 'quantized_once', 'quantize_int8', 'dequantize_int8',
+           'Int8Linear', 'split_rows', 'join_rows', 'onednn_int8_supported', 'Int8OneDNNLinear', 'int4_group_size',
+           'quantize_int4', 'dequantize_int4', 'int4_supported', 'Int4Linear', 'c_lines', 'show_c', 'isas_here',
+           'isa_here', 'CBuildError', 'c_compiler', 'sources_digest', 'compile_kernels', 'c_library', 'run_selftests',
            'passed_selftests', 'declare', 'build_library', 'int4_isas', 'int4_library', 'int4_int8_supported',
            'int4_int8_levels', 'Int4Int8Linear', 'ShortlistHead', 'f32_library', 'f32_supported', 'f32_blocks',
            'F32Linear', 'attn_library', 'c_decode_supported', 'paged_decode_attention_c', 'CDecode', 'default_decoder',
@@ -840,6 +841,20 @@ def default_decoder(cache: KVCache) -> DecodeAttention:
     return CDecode() if c_decode_supported(q, cache.k[0]) else DecodeAttention()
 
 
+def _c_refuses(cache: KVCache) -> str | None:
+    "Why the C kernel cannot run this cache (None: it can)."
+    if default_decoder(cache).name == "c":
+        return None
+    return (
+        f"attention_backend 'c' runs on the CPU in float32 or bfloat16 where a C compiler built it, "
+        f"not for this cache ({cache.k.dtype} on {cache.k.device}): use torch or auto"
+    )
+
+
+on_cpu_only = lambda device: 1 if device.type == "cpu" else -1  # noqa: E731 (`auto` prefers it to torch there)
+register_decoder(DecodeBackend("c", lambda cache, max_blocks: CDecode(), _c_refuses, on_cpu_only))
+
+
 # %% ../nbs/07_cpu_kernels.ipynb #a3b914d7
 NORM_FUNCTIONS = {
     "rmsnorm": dict(
@@ -1495,3 +1510,6 @@ def prepare_model(
     elif pack:
         pack_linears(model)  # off the CPU: refused, with the reason
     return model
+
+
+register_preparer("cpu_kernels", prepare_model, QUANTIZATIONS)  # what 03a's load_prepared runs on every model

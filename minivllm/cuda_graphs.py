@@ -111,7 +111,10 @@ def _fill(
 @patch
 @torch.inference_mode()
 def run(
-    self: DecodeGraphs, items: list[tuple[BlockTable, int, int]], input_ids: list[int]
+    self: DecodeGraphs,
+    items: list[tuple[BlockTable, int, int]],
+    input_ids: list[int],
+    feed: Callable[[torch.Tensor], torch.Tensor] | None = None,  # ids still on the device (09a)
 ) -> torch.Tensor:
     "Hidden states [B, hidden] of a pure-decode step of B <= the largest size: (table, cached, 1) per row."
     size = self.bucket(len(items))
@@ -121,6 +124,8 @@ def run(
     self.inputs[:size, :cols].copy_(self.host[:size, :cols], non_blocking=True)
     if self.copied is not None:
         self.copied.record()
+    if feed is not None:  # after the copy, in stream order: the previous step's tokens, where they lie
+        self.inputs[: len(items), 0] = feed(self.inputs[: len(items), 0])
     replay, out = self.graphs[size]
     replay()
     return out[: len(items)]

@@ -8,339 +8,40 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from fastcore.basics import patch
 
+import minivllm
 from .paged_cache import BlockManager, KVCache, num_kv_blocks_for, to_device
-from .parallel import launch_tensor_parallel
 from .qwen2 import Qwen2ForCausalLM
+from .config import EngineArgs, generation_defaults, parse_bytes, unserved  # noqa: F401 (parse_bytes: 05 reads it here)
 from minivllm.runner import (
     RELEASE_EVERY_S,
-    EngineArgs,
     FlatBatch,
     ModelRunner,
     load_prepared,
-    generation_defaults,
     make_decoder,
-    parse_bytes,
     release_free_memory,
     resolve_steps,
     uses_cuda_graphs,
     warmup_step,
 )
+from .sampler import Logprob, Sampler, _argmax_only
+from .sampler import apply_penalties, draw_token, draw_tokens, filter_logits, nucleus  # noqa: F401 (03b's)
 from .weights import Tokenizer
-from .structured import GrammarState, StructuredOutputs, apply_grammar_masks
-from .speculative import SpeculativeConfig, draft_verdicts, make_proposer
-from minivllm.scheduler import (
-    SamplingError,
-    SamplingParams,
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-)
-
-if TYPE_CHECKING:  # imported where graphs are built: it imports triton
-    from minivllm.cuda_graphs import DecodeGraphs
+from .sampling_params import SamplingError, SamplingParams
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence
 
 
 # %% auto #0
-__all__ = ['NUCLEUS_CANDIDATES', 'DRAW_CHUNK', 'DETOKENIZE_WINDOW', 'Logprob', 'apply_penalties', 'nucleus', 'filter_logits',
-           'Sampler', 'draw_token', 'nucleus_rows', 'draw_tokens', 'detokenize_incrementally', 'CompletionOutput',
-           'RequestMetrics', 'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'apply_logit_bias', 'LLM',
-           'main']
-
-# %% ../nbs/04_engine.ipynb #3c2b9506
-@dataclass
-class Logprob:
-    "A token's log-probability and its rank in the model's distribution."
-
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
-
-
-def apply_penalties(
-    logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams
-) -> None:
-    "In place, one row [V]: repetition (prompt + output), frequency and presence (output) penalties."
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device, dtype=torch.long)
-        x = logits[seen]
-        logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and output_ids:
-        ids = torch.tensor(output_ids, device=logits.device)
-        counts = torch.zeros_like(logits).index_add_(
-            0, ids, torch.ones(len(output_ids), device=logits.device)
-        )
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-
-
-NUCLEUS_CANDIDATES = (1024, 16384)  # top-p looks among this many most likely tokens, then this many, then all
-
-
-def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    "One row [V], -inf outside the smallest set of most likely tokens whose probability reaches `top_p`."
-    probs = logits.softmax(-1)
-    V = probs.shape[-1]
-    for k in (*(c for c in NUCLEUS_CANDIDATES if c < V), V):
-        top, idx = torch.topk(probs, k) if k < V else torch.sort(probs, descending=True)  # most likely first
-        cum = top.cumsum(-1)
-        if k == V or cum[-1] >= top_p:  # these hold the nucleus: the tokens after them are all out
-            break
-    keep = idx[cum - top < top_p]  # a token stays while the mass before it is short of top_p
-    return torch.full_like(logits, float("-inf")).index_copy_(0, keep, logits[keep])
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    "One row [V] of temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        logits = nucleus(logits, top_p)
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
-
-# %% ../nbs/04_engine.ipynb #b6ff95aa
-class Sampler:
-    "One token per row of logits, each row with its own SamplingParams and (optional) generator."
-
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-
-
-def _argmax_only(seq: Sequence) -> bool:
-    "Whether a row needs nothing but its arg-max."
-    p = seq.params
-    no_penalty = p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-    return p.greedy and no_penalty and not p.logit_bias and seq.num_output_tokens >= p.min_tokens
-
-
-DRAW_CHUNK = 128  # probabilities summed a chunk at a time (128 divides Qwen2's vocabularies: no padding)
-
-
-def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> int:
-    "The first index of `cdf` [n] above `u`; where rounding puts `u` past the end, the last index with mass."
-    i = int(torch.searchsorted(cdf, u.view(1), right=True))
-    if i == cdf.shape[-1]:
-        i = int(torch.searchsorted(cdf, cdf[-1:]))  # where the total is first reached
-    return i
-
-
-def draw_token(probs: torch.Tensor, gen: torch.Generator) -> int | None:
-    "A token drawn from `probs` [V] with one uniform number from `gen`; None if `probs` is not finite."
-    pad = -probs.shape[-1] % DRAW_CHUNK
-    chunks = (F.pad(probs, (0, pad)) if pad else probs).view(-1, DRAW_CHUNK)  # [C, 128]; padding has no mass
-    cdf = chunks.sum(-1).double().cumsum(-1)  # [C]: the mass up to the end of each chunk
-    if not bool(torch.isfinite(cdf[-1])):  # a NaN or an infinity anywhere reaches the total
-        return None
-    u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device) * cdf[-1]  # in [0, total)
-    c = _first_above(cdf, u)  # the chunk, then the token inside it
-    inside = chunks[c].cumsum(-1, dtype=torch.float64) + (cdf[c - 1] if c else 0)  # [128]
-    return c * DRAW_CHUNK + _first_above(inside, u)
-
-
-@patch
-def _sample_row(
-    self: Sampler, row: torch.Tensor, seq: Sequence, gen: torch.Generator | None, eos_ids: list[int]
-) -> int | None:
-    "One row [V] (left as it is) with all its parameters -> a token, or None if it is not finite."
-    p = seq.params
-    banned = []
-    if seq.num_output_tokens < p.min_tokens:
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or banned:
-        row = row.clone()  # changed below; the caller's row keeps the raw logits (for the logprobs)
-        apply_penalties(row, seq.prompt_token_ids, seq.output_token_ids, p)
-        if banned:
-            row[torch.tensor(banned, device=row.device)] = float("-inf")
-    if p.greedy:
-        best, token = row.max(-1)
-        return int(token) if torch.isfinite(best) else None
-    probs = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)  # [V]
-    return draw_token(probs, gen if gen is not None else self.generator)
-
-# %% ../nbs/04_engine.ipynb #b21f3ba6
-@patch
-def _logprobs(self: Sampler, raw_lp: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-    "The chosen token's logprob and rank, and the top k, from one row [V] of log-softmaxed logits."
-    out = {token: Logprob(float(raw_lp[token]), int((raw_lp > raw_lp[token]).sum()) + 1)}
-    if k:
-        top = torch.topk(raw_lp, k)
-        for rank, (v, j) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
-            out.setdefault(j, Logprob(v, rank))
-    return out
-
-
-
-# %% ../nbs/04_engine.ipynb #61bbf9a3
-def _pairs(rows: Iterable[int], ids: Iterable[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    "(row, token) index pairs as two tensors on `dev`, in one pinned copy."
-    both = to_device(torch.tensor([list(rows), list(ids)], dtype=torch.long), dev)  # [2, n]
-    return both[0], both[1]
-
-
-def _penalized(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
-    "`apply_penalties` and the min_tokens bans of every row at once: a copy where any row has one."
-    rep: list[tuple[int, int, float]] = []  # (row, token, penalty): repetition
-    cnt: list[tuple[int, int]] = []  # (row, token) of each output token: frequency and presence
-    ban: list[tuple[int, int]] = []  # (row, token): not before min_tokens
-    freq, pres = [0.0] * len(seqs), [0.0] * len(seqs)
-    for i, s in enumerate(seqs):
-        p = s.params
-        if p.repetition_penalty != 1.0:
-            seen = sorted(set(s.prompt_token_ids) | set(s.output_token_ids))
-            rep += [(i, t, p.repetition_penalty) for t in seen]
-        if (p.frequency_penalty or p.presence_penalty) and s.output_token_ids:
-            cnt += [(i, t) for t in s.output_token_ids]
-            freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
-        if s.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-            ban += [(i, t) for t in banned]
-    if not (rep or cnt or ban):
-        return logits
-    x, dev = logits.clone(), logits.device
-    if rep:
-        r, t = _pairs([i for i, _, _ in rep], [t for _, t, _ in rep], dev)
-        pen, v = to_device(torch.tensor([q for _, _, q in rep]), dev), x[r, t]
-        x[r, t] = torch.where(v > 0, v / pen, v * pen)
-    if cnt:
-        r, t = _pairs(*zip(*cnt), dev)
-        counts = torch.zeros_like(x).index_put_((r, t), torch.ones_like(t, dtype=x.dtype), accumulate=True)
-        f, q = (to_device(torch.tensor(v), dev)[:, None] for v in (freq, pres))  # [B, 1] each
-        x -= f * counts + q * (counts > 0).float()
-    if ban:
-        x[_pairs(*zip(*ban), dev)] = float("-inf")
-    return x
-
-
-# %% ../nbs/04_engine.ipynb #89e6698b
-def nucleus_rows(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    "`nucleus` of every row [R, V] at its own top_p [R], by one sort of all rows (no host sync)."
-    probs, idx = x.softmax(-1).sort(-1, descending=True)  # [R, V] each
-    drop = probs.cumsum(-1) - probs >= top_p[:, None]
-    return x.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
-
-
-def _filtered(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    "`filter_logits` of every row [R, V] at once, after dividing each by its temperature."
-    dev, V = x.device, x.shape[-1]
-    x = x / to_device(torch.tensor([p.temperature for p in params]), dev)[:, None]
-    ks = [p.top_k if p.top_k and p.top_k < V else V for p in params]
-    if min(ks) < V:  # each row keeps what reaches its own k-th largest value (ties included)
-        top = torch.topk(x, max(k for k in ks if k < V)).values  # [R, kmax]
-        kth = top.gather(1, to_device(torch.tensor([min(k, top.shape[1]) - 1 for k in ks]), dev)[:, None])
-        cut = to_device(torch.tensor([k < V for k in ks]), dev)[:, None]
-        x = x.masked_fill(cut & (x < kth), float("-inf"))
-    if any(p.top_p < 1.0 for p in params):
-        if x.device.type == "cpu":  # candidates before a sort: cheaper on a CPU, where waiting costs nothing
-            x = torch.stack([nucleus(r, p.top_p) if p.top_p < 1.0 else r for r, p in zip(x, params)])
-        else:
-            x = nucleus_rows(x, to_device(torch.tensor([min(p.top_p, 2.0) for p in params]), dev))
-    if any(p.min_p > 0.0 for p in params):
-        probs = x.softmax(-1)
-        min_p = to_device(torch.tensor([p.min_p for p in params]), dev)[:, None]
-        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    return x
-
-
-def _first_above_rows(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    "`_first_above` of every row: cdf [R, n], u [R] -> index [R] (past the end: where the total is reached)."
-    i = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
-    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())[:, 0]
-    return torch.where(i >= cdf.shape[-1], last, i).clamp(max=cdf.shape[-1] - 1)
-
-
-def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "`draw_token` of every row [R, V] with its uniform number u [R] (float64): tokens [R], finite [R]."
-    R, V = probs.shape
-    pad = -V % DRAW_CHUNK
-    chunks = (F.pad(probs, (0, pad)) if pad else probs).view(R, -1, DRAW_CHUNK)  # [R, C, 128]
-    cdf = chunks.sum(-1).double().cumsum(-1)  # [R, C]: the mass up to the end of each chunk
-    total = cdf[:, -1]  # [R]
-    finite = torch.isfinite(total)
-    u = u * torch.where(finite, total, 0.0)  # [R] in [0, total)
-    c = _first_above_rows(cdf, u)  # [R]: the chunk, then the token inside it
-    before = torch.where(c > 0, cdf.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)  # [R]
-    inside = chunks[torch.arange(R, device=probs.device), c].cumsum(-1, dtype=torch.float64) + before[:, None]
-    return c * DRAW_CHUNK + _first_above_rows(inside, u), finite
-
-
-# %% ../nbs/04_engine.ipynb #81f4ba46
-@patch
-def _logprobs_rows(
-    self: Sampler, logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]
-) -> list[dict[int, Logprob]]:
-    "`_logprobs` of the rows that ask (their sampled `tokens`), computed at once, read back in one transfer."
-    lp = torch.log_softmax(logits[rows], -1)  # [L, V] the raw distributions
-    chosen = lp.gather(1, to_device(torch.tensor(tokens), lp.device)[:, None])  # [L, 1]
-    rank = (lp > chosen).sum(-1, keepdim=True)  # [L, 1]: tokens strictly more likely
-    top = torch.topk(lp, max(max(ks), 1))  # [L, kmax]
-    packed = torch.cat([chosen.double(), rank.double(), top.values.double(), top.indices.double()], 1)
-    packed = packed.tolist()  # [L, 2 + 2 kmax]: one transfer
-    out = []
-    for row, k, t in zip(packed, ks, tokens):
-        d = {t: Logprob(row[0], int(row[1]) + 1)}
-        kmax = (len(row) - 2) // 2
-        for r in range(k):
-            d.setdefault(int(row[2 + kmax + r]), Logprob(row[2 + r], r + 1))
-        out.append(d)
-    return out
-
-
-@patch
-def __call__(
-    self: Sampler,
-    logits: torch.Tensor,
-    seqs: list[Sequence],
-    generators: list[torch.Generator | None],
-    eos_ids: list[int],
-    drafts: list[int | None] | None = None,  # a drafted token per row to accept or reject (14)
-) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
-    "logits: [B, V] float32 -> (token per row, None where not finite; logprobs per row or None). One sync."
-    x = _penalized(logits, seqs, eos_ids)  # [B, V]
-    tokens = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
-    finite = torch.ones(len(seqs), dtype=torch.bool, device=logits.device)
-    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-    if greedy:
-        best, tokens[greedy] = x[greedy].max(-1) if len(greedy) < len(seqs) else x.max(-1)
-        finite[greedy] = torch.isfinite(best)
-    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if drawn:
-        probs = _filtered(x[drawn], [seqs[i].params for i in drawn]).softmax(-1)  # [R, V]
-        gens = [generators[i] or self.generator for i in drawn]  # each row's own, or the engine's
-
-        def uniform() -> torch.Tensor:  # [R]: one uniform number per row
-            dev = logits.device
-            return torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=dev) for g in gens])
-
-        u = uniform()
-        if drafts is None or all(drafts[i] is None for i in drawn):
-            tokens[drawn], finite[drawn] = draw_tokens(probs, u)
-        else:  # x kept with probability p(x), else a token drawn from p without x (14)
-            x, px, rest = draft_verdicts(probs, [drafts[i] for i in drawn])
-            keep = uniform() < px
-            drew, fin = draw_tokens(rest, u)
-            tokens[drawn], finite[drawn] = torch.where(keep, x, drew), keep | fin
-    got = torch.where(finite, tokens, -1).tolist()  # the one wait for the device
-    want = [i for i, (s, t) in enumerate(zip(seqs, got)) if s.params.logprobs is not None and t >= 0]
-    lps: list[dict[int, Logprob] | None] = [None] * len(seqs)
-    if want:
-        ks = [seqs[i].params.logprobs for i in want]
-        for i, d in zip(want, self._logprobs_rows(logits, want, [got[i] for i in want], ks)):
-            lps[i] = d
-    return [t if t >= 0 else None for t in got], lps
-
+__all__ = ['DETOKENIZE_WINDOW', 'LOGITS_PROCESSORS', 'STEP_HOOKS', 'detokenize_incrementally', 'CompletionOutput',
+           'RequestMetrics', 'RequestOutput', 'EngineStats', 'StepRecord', 'LLMEngine', 'apply_logit_bias',
+           'LogitsProcessor', 'register_logits_processor', 'StepHook', 'register_step_hook', 'LLM', 'main']
 
 # %% ../nbs/04_engine.ipynb #0dd0b9be
 DETOKENIZE_WINDOW = 8  # tokens the engine's detokenizer prefix may grow to: one decode a token, not two
@@ -426,7 +127,7 @@ class _SequenceText:
     emitted_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    grammar: GrammarState | None = None  # where a constrained sequence is in its grammar (11)
+    rules: dict = field(default_factory=dict)  # logits processor -> this sequence's state in it (below)
 
 
 @dataclass(eq=False)
@@ -460,9 +161,7 @@ class EngineStats:
     num_steps: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found
-    spec_decode_num_drafts: int = 0  # sequence-steps that checked a draft (14)
-    spec_decode_num_draft_tokens: int = 0  # tokens drafted
-    spec_decode_num_accepted_tokens: int = 0  # of which the model agreed with
+    counters: dict[str, int] = field(default_factory=dict)  # the step hooks' own, by their metric names
 
 
 @dataclass
@@ -511,14 +210,12 @@ class LLMEngine:
         )
         self.runner = runner_factory(model, self.cache, self.block_manager, **self._attention(graphs))
         self.sampler = Sampler(a.seed, w.device)
-        self.sampling_defaults = generation_defaults(a, tokenizer.generation_config)  # 03a
+        self.sampling_defaults = generation_defaults(a, tokenizer.generation_config)  # 02a
         SamplingParams(**self.sampling_defaults).validate()  # a bad default is said at start
-        self.structured = StructuredOutputs(  # compiles grammars on first use
-            tokenizer, cfg.vocab_size, backend=a.structured_outputs_backend
-        )
-        self.speculative = SpeculativeConfig.parse(a.speculative_config)  # None: no drafts (14)
-        self.proposer = make_proposer(self.speculative) if self.speculative else None
-        self.spec_counts = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
+        if why := unserved(a, minivllm.load_plugins()):  # Part II's modules here register into the seams (00)
+            raise ValueError("; ".join(why))
+        self.logits_processors = [make(self) for make in LOGITS_PROCESSORS.values()]  # rules requests carry
+        self.step_hooks = [h for make in STEP_HOOKS.values() if (h := make(self)) is not None]  # Part II's
         self.requests: dict[str, _Request] = {}
         self.seq_texts: dict[int, _SequenceText] = {}  # by seq_id
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
@@ -530,6 +227,8 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         "Load `args.model` (in `args.dtype` on `args.device`) and build the engine around it."
         if args.tensor_parallel_size > 1:  # the model split over ranks: 10
+            from minivllm.parallel import launch_tensor_parallel
+
             return launch_tensor_parallel(cls, args)
         model, tokenizer = load_prepared(args.model, args.dtype, args.device, args.quantization)
         return cls(model, tokenizer, args)
@@ -617,10 +316,11 @@ def add_request(
     request_id = request_id or uuid.uuid4().hex
     if request_id in self.requests:
         raise ValueError(f"request id {request_id!r} is already in use")
-    grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+    rules = [(p, p.states(params, params.n)) for p in self.logits_processors]  # a state per sequence, or None
+    rules = [(p, states) for p, states in rules if states is not None]
     texts = [self._new_sequence(request_id, ids, params, i) for i in range(params.n)]
-    for t in texts:
-        t.grammar = self.structured.matcher(grammar) if grammar is not None else None
+    for i, t in enumerate(texts):
+        t.rules = {p: states[i] for p, states in rules}  # each rule's state for this sequence
     seqs = [t.seq for t in texts]
     if len(seqs) <= self.scheduler.config.max_num_seqs:
         seqs[0].forks = seqs[1:]  # one prompt computed, n - 1 forks
@@ -661,15 +361,19 @@ def abort(self: LLMEngine, request_id: str) -> bool:
 
 @patch
 def has_unfinished_requests(self: LLMEngine) -> bool:
-    "Whether any request is still running or waiting."
-    return bool(self.requests)
+    "Whether any request is still running or waiting (or a step hook holds work: 09a's launched step)."
+    return bool(self.requests) or any(hook.busy() for hook in self.step_hooks)
 
 # %% ../nbs/04_engine.ipynb #ef89bd6c
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Schedule, run the model and sample, update; returns the requests that progressed."
+    for hook in self.step_hooks:  # a step hook may run the whole step its own way (09a's async scheduling)
+        if (outputs := hook.step()) is not None:
+            return outputs
     t0 = time.perf_counter()
-    self._propose()  # 0. drafts of the next tokens, where speculative decoding is on (14)
+    for hook in self.step_hooks:  # 0. what a Part II chapter does before scheduling (14: guess tokens)
+        hook.before_schedule()
     batch = self.scheduler.schedule()  # 1. schedule
     if not batch.items:
         return []
@@ -691,63 +395,103 @@ def _run(self: LLMEngine, batch: ScheduledBatch) -> list[int | None] | torch.Ten
 
 @patch
 def _sample_and_update(self: LLMEngine, batch: ScheduledBatch, out) -> dict[str, _Request]:
-    "A token per sampling sequence into the scheduler and the text; a draft's (14) in rounds while it holds."
-    first, r = {}, 0  # each sampling sequence's first row of `out`: a drafted one has 1 + len(draft)
-    for s in batch.sampling:
-        first[s.seq_id], r = r, r + 1 + len(s.draft)
+    "A token per sampling sequence into the scheduler and the text (or a step hook's way of doing it: 14)."
+    for hook in self.step_hooks:
+        if (touched := hook.sample_and_update(batch, out)) is not None:
+            return touched
+    sampled, failed = self._sample_rows(batch.sampling, out, range(len(batch.sampling)))
+    self.scheduler.update(batch, sampled)
     touched: dict[str, _Request] = {}
-    live = batch.sampling
-    for i in itertools.count():  # round i: the token after draft[:i], for the sequences that accepted it
-        sampled, failed = self._sample_rows(live, out, [first[s.seq_id] + i for s in live], i)
-        self.scheduler.update(batch if i == 0 else ScheduledBatch([]), sampled)
-        self._texts(batch, sampled, failed, touched)
-        agreed = [s for s, t in sampled if i < len(s.draft) and t == s.draft[i]]
-        self.spec_counts[2] += len(agreed)
-        live = [s for s in agreed if not s.is_finished]
-        if not live:
-            break
-        for s in live:
-            self.scheduler.accept_draft(s)
-    self.spec_counts[0] += sum(1 for s, _ in batch.items if s.draft)
-    self.spec_counts[1] += batch.num_drafted
-    self.scheduler.end_drafts(batch)
+    self._texts(batch, sampled, failed, touched)
     return touched
 
 # %% ../nbs/04_engine.ipynb #afd92189
 @patch
 def _sample_rows(
-    self: LLMEngine, seqs: list[Sequence], out, rows: list[int], i: int
+    self: LLMEngine, seqs: list[Sequence], out, rows: Iterable[int], **per_row
 ) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-    "`_take` or `_sample` of these rows of `out`, one per sequence; row i of a draft weighs its token i."
+    "`_take` or `_sample` of these rows of `out`, one per sequence (`per_row`: more for the sampler, 14's)."
+    rows = list(rows)
     if isinstance(out, list):  # the head's arg-max per row
         return self._take(seqs, [out[r] for r in rows])
     if rows != list(range(len(out))):
         out = out[torch.tensor(rows, device=out.device)]
-    return self._sample(seqs, out, [s.draft[i] if i < len(s.draft) else None for s in seqs])
-
-
-@patch
-def _propose(self: LLMEngine) -> None:
-    "Drafts for the running sequences about to decode (14): none above `disable_by_batch_size` of them."
-    if self.proposer is None:
-        return
-    running, limit = self.scheduler.running, self.speculative.disable_by_batch_size
-    for s in running:
-        s.draft = []
-    if limit is not None and len(running) > limit:
-        return
-    decoding = [s for s in running if s.num_computed == s.num_tokens - 1 and not s.forks]
-    for s, draft in zip(decoding, self.proposer.propose(decoding)):
-        s.draft = list(draft)
+    return self._sample(seqs, out, **per_row)
 
 # %% ../nbs/04_engine.ipynb #4833ccd6
+@patch
+def _biased(self: LLMEngine, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    "`logits` [S, V], or a copy with each row's request's bias on its tokens' logits where any row has one."
+    if not any(s.params.logit_bias for s in seqs):
+        return logits
+    return apply_logit_bias(logits.clone(), [s.params.logit_bias for s in seqs])
+
+
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
     "In place: add each row's bias (token id -> bias) to its logits [S, V]; returns `logits`."
     for row, bias in enumerate(biases):
-        if bias:
-            ids = torch.tensor(list(bias), device=logits.device)
-            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        if bias:  # sent ahead (pinned): `torch.tensor(..., device=gpu)` would wait for the GPU
+            ids = to_device(torch.tensor(list(bias)), logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype)
+            logits[row, ids] += to_device(values, logits.device)
     return logits
+
+# %% ../nbs/04_engine.ipynb #8e80abc4
+class LogitsProcessor:
+    "A rule some requests carry: a state per sequence that masks its row of logits (11's grammars are one)."
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine  # one processor per engine, built when it starts
+
+    def states(self, params: SamplingParams, n: int) -> list | None:
+        "None where a request does not use this rule, else a state per sequence (ValueError: a bad request)."
+        return None
+
+    def apply(self, logits: torch.Tensor, states: list) -> None:
+        "In place: mask each row of logits [B, V] by its state (None: the row is not this rule's)."
+        raise NotImplementedError
+
+
+LOGITS_PROCESSORS: dict[str, Callable[[LLMEngine], LogitsProcessor]] = {}  # name -> processor class
+
+
+def register_logits_processor(name: str, make: Callable[[LLMEngine], LogitsProcessor]) -> None:
+    "Build `make(engine)` in every engine from now on (a Part II module calls this when imported)."
+    LOGITS_PROCESSORS[name] = make  # by name: a module imported again replaces its own
+
+# %% ../nbs/04_engine.ipynb #86fe59d6
+class StepHook:
+    "A Part II addition to every step of an engine (14's speculation is one)."
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def step(self) -> list[RequestOutput] | None:
+        "The whole step, done this hook's way; None: the engine's own step (with this hook's parts)."
+        return None
+
+    def busy(self) -> bool:
+        "Whether it holds work that no request shows (a step launched, still to be read)."
+        return False
+
+    def before_schedule(self) -> None:
+        "Called first in every step."
+
+    def sample_and_update(self, batch: ScheduledBatch, out) -> dict[str, _Request] | None:
+        "The step's sampling and update, done this hook's way; None: the engine does its own."
+        return None
+
+    def counters(self) -> dict[str, int]:
+        "Totals to report in the engine's stats, by metric name."
+        return {}
+
+
+STEP_HOOKS: dict[str, Callable[[LLMEngine], StepHook | None]] = {}  # name -> factory (None: not here)
+
+
+def register_step_hook(name: str, make: Callable[[LLMEngine], StepHook | None]) -> None:
+    "Build `make(engine)` in every engine from now on, where it gives a hook (a Part II module calls this)."
+    STEP_HOOKS[name] = make
 
 # %% ../nbs/04_engine.ipynb #a99fff31
 @patch
@@ -762,23 +506,22 @@ def _account(self: LLMEngine, batch: ScheduledBatch, seconds: float) -> None:
 
 @patch
 def _sample(
-    self: LLMEngine, seqs: list[Sequence], logits: torch.Tensor, drafts: list[int | None] | None = None
+    self: LLMEngine, seqs: list[Sequence], logits: torch.Tensor, **per_row
 ) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-    "([(sequence, token)] for every row that gave a token, [sequences whose row was not finite])."
+    "([(sequence, token)] per row that gave a token, [sequences whose row was not finite])."
     rows = [(i, s) for i, seq in enumerate(seqs) for s in [seq, *seq.forks]]  # forks share their parent's row
-    drafts = [drafts[i] if drafts else None for i, _ in rows]
+    per_row = {name: [values[i] for i, _ in rows] for name, values in per_row.items()}
     if len(rows) > len(seqs):
         logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]  # [S + forks, V]
     order = [s for _, s in rows]
     texts = [self.seq_texts[s.seq_id] for s in order]
-    if any(s.params.logit_bias for s in order):  # biased rows: the request's bias on its tokens' logits
-        logits = apply_logit_bias(logits.clone(), [s.params.logit_bias for s in order])
-    if any(
-        t.grammar is not None for t in texts
-    ):  # constrained rows: -inf where their grammar forbids a token
+    logits = self._biased(logits, order)
+    if any(t.rules for t in texts):  # rows a logits processor constrains: each applies its own
         logits = logits.clone()
-        apply_grammar_masks(logits, [t.grammar for t in texts])
-    tokens, lps = self.sampler(logits, order, [t.generator for t in texts], self.eos_ids, drafts)
+        for p in self.logits_processors:
+            if any(p in t.rules for t in texts):
+                p.apply(logits, [t.rules.get(p) for t in texts])
+    tokens, lps = self.sampler(logits, order, [t.generator for t in texts], self.eos_ids, **per_row)
     sampled, failed = [], []
     for seq, text, token, lp in zip(order, texts, tokens, lps):
         if token is None:
@@ -798,7 +541,7 @@ def _greedy_batch(self: LLMEngine, seqs: list[Sequence]) -> bool:
         _argmax_only(s)
         and not s.forks
         and s.params.logprobs is None
-        and self.seq_texts[s.seq_id].grammar is None
+        and not self.seq_texts[s.seq_id].rules
         for s in seqs
     )
 
@@ -815,14 +558,13 @@ def _take(
 # %% ../nbs/04_engine.ipynb #007ff4ee
 @patch
 def _add_text(self: LLMEngine, st: _SequenceText) -> None:
-    "Advance the sequence's grammar, detokenize its new token and apply its stop strings."
+    "Advance the sequence's rules, detokenize its new token and apply its stop strings."
     seq, p = st.seq, st.seq.params
-    if st.grammar is not None and not st.grammar.accept(seq.token_ids[-1]):
-        raise RuntimeError(f"token {seq.token_ids[-1]} was sampled although its grammar forbids it")
-    if st.grammar is not None and st.grammar.is_finished and not seq.is_finished:
-        self.scheduler.finish(
-            seq, "stop"
-        )  # the grammar has ended (with its stop token): so does the sequence
+    for state in st.rules.values():
+        if not state.accept(seq.token_ids[-1]):
+            raise RuntimeError(f"token {seq.token_ids[-1]} was sampled, but a rule of its request forbids it")
+    if any(state.is_finished for state in st.rules.values()) and not seq.is_finished:
+        self.scheduler.finish(seq, "stop")  # a rule has ended (a grammar, with its stop token): so does seq
     if seq.finish_reason == "stop":  # ended by a stop token: its text is not part of the output
         return
     new, st.prefix_offset, st.read_offset, st.prefix_text = detokenize_incrementally(
@@ -876,7 +618,7 @@ def _texts(
         self.generation_tokens += 1
         try:
             self._add_text(self.seq_texts[seq.seq_id])
-        except Exception as e:  # its grammar or the tokenizer failed on this request's tokens
+        except Exception as e:  # a rule (a grammar) or the tokenizer failed on this request's tokens
             self._fail(req, f"its output could not be processed: {type(e).__name__}: {e}")
 
 # %% ../nbs/04_engine.ipynb #780fc266
@@ -940,7 +682,7 @@ def stats(self: LLMEngine) -> EngineStats:
         self.num_steps,
         bm.prefix_queries,
         bm.prefix_hits,
-        *self.spec_counts,
+        {name: v for hook in self.step_hooks for name, v in hook.counters().items()},
     )
 
 
@@ -997,7 +739,7 @@ class LLM:
 # %% ../nbs/04_engine.ipynb #d37d4842
 @patch
 def get_default_sampling_params(self: LLM) -> SamplingParams:
-    "SamplingParams with the model's generation config (`generation_config`, 03a) over vLLM's defaults."
+    "SamplingParams with the model's generation config (`generation_config`, 02a) over vLLM's defaults."
     return SamplingParams(**self.llm_engine.sampling_defaults)
 
 # %% ../nbs/04_engine.ipynb #cfb3aec0

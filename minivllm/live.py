@@ -267,7 +267,7 @@ def add_live_routes(app: FastAPI, serving: Any, **feed_args) -> LiveFeed:
     feed = LiveFeed(serving.engine, **feed_args)
     app.state.live = feed
     folder = files("minivllm") / "static"
-    temperature = serving.engine.engine.sampling_defaults.get("temperature", 1.0)  # the model's own (03a)
+    temperature = serving.engine.engine.sampling_defaults.get("temperature", 1.0)  # the model's own (02a)
     page = (folder / "index.html").read_text().replace("__TEMPERATURE__", f"{temperature:g}").encode()
     assets = {name: (folder / name).read_bytes() for name in STATIC}
     icon = (folder / "favicon.ico").read_bytes()

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .engine import LLMEngine, Logprob, RequestOutput
 from .weights import ChatTemplateError, Tokenizer
-from .scheduler import RequestTooLong, SamplingError, SamplingParams
+from .sampling_params import SamplingError, SamplingParams
+from .scheduler import RequestTooLong
 from .structured import StructuredOutputError, StructuredOutputsParams
 from .tool_calls import ToolCallError, ToolCallParser, check_tools, parse_tool_calls
 from .tool_calls import bare_call_check, resolve_tool_choice, tool_call_grammar
@@ -453,7 +454,7 @@ def openai_sampling(
     req: SamplingRequest,
     max_tokens: int,
     logprobs: int | None,
-    defaults: dict | None = None,  # the model's generation config (03a): for the fields the request left out
+    defaults: dict | None = None,  # the model's generation config (02a): for the fields the request left out
 ) -> SamplingParams:
     "OpenAI's sampling fields, and vLLM's extra ones, as SamplingParams (not validated yet)."
     sent, defaults = req.model_fields_set, defaults or {}

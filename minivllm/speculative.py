@@ -5,17 +5,22 @@
 # %% ../nbs/14_speculative.ipynb #44cbe0a3
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 
-from .scheduler import Sequence
+from .engine import LLMEngine, StepHook, _Request, register_step_hook  # 04's seam, filled here
+from .runner import FlatBatch, plain_layout
+from .sampler import Sampler
+from .scheduler import ScheduledBatch, Scheduler, Sequence
 
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'DISABLE_BY_BATCH_SIZE', 'SpeculativeConfig', 'Proposer', 'NgramProposer', 'make_proposer',
-           'draft_verdicts']
+__all__ = ['SPECULATIVE_METHODS', 'DISABLE_BY_BATCH_SIZE', 'SPEC_COUNTERS', 'SpeculativeConfig', 'Proposer', 'NgramProposer',
+           'make_proposer', 'draft_layout', 'draft_verdicts', 'Speculation']
 
 # %% ../nbs/14_speculative.ipynb #56b579fe
 SPECULATIVE_METHODS = ("ngram",)  # a draft model or EAGLE would implement `Proposer` and join this list
@@ -109,6 +114,63 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     "The proposer of `config.method`."
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
+# %% ../nbs/14_speculative.ipynb #4a485bc8
+Sequence.draft = ()  # tokens guessed to come next, checked in one step: none until a proposer gives some
+
+
+@patch(as_prop=True)
+def num_unconfirmed(self: Sequence) -> int:
+    "Its draft's tokens: computed with its next token, counted once the model agrees (03's hook)."
+    return len(self.draft)
+
+
+@patch
+def _fit_draft(self: Scheduler, seq: Sequence, budget: int) -> int:
+    "Tokens a decode computes: 1, plus the part of its draft within budget, context and max_tokens."
+    p, room = seq.params, self.config.max_model_len - seq.num_tokens - 1  # the model's own token comes last
+    if p.max_tokens is not None:
+        room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+    del seq.draft[max(0, min(room, budget - 1)) :]
+    if seq.draft and not self.block_manager.can_append(seq.block_table, 1 + len(seq.draft)):
+        seq.draft.clear()  # a guess never takes blocks another sequence would have to give up
+    return 1 + len(seq.draft)
+
+
+@patch
+def _row_tokens(self: Scheduler, seq: Sequence, budget: int, after: int) -> int:
+    "03's, and a drafted decode: 1 + the part of its draft the running sequences after it leave room for."
+    if seq.draft:
+        return self._fit_draft(seq, budget - after)
+    return min(seq.num_tokens - seq.num_computed, budget)
+
+
+def draft_layout(seq: Sequence, n: int) -> tuple[list[int], list[int], list[tuple]]:
+    "03a's row layout, and a drafted decode: its last token and guesses, each sampling, each a decode row."
+    if not seq.draft:
+        return plain_layout(seq, n)
+    c = seq.num_computed
+    items = [(seq.block_table, c + i, 1) for i in range(n)]  # row i sees the context and tokens 0..i
+    return seq.token_ids[c : c + 1] + seq.draft, list(range(n)), items
+
+
+FlatBatch.layout = staticmethod(draft_layout)
+
+
+@patch
+def accept_draft(self: Scheduler, seq: Sequence) -> None:
+    "The drafted token just appended was the model's own: its K/V, written this step, now counts."
+    seq.num_computed += 1
+    self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+
+
+@patch
+def end_drafts(self: Scheduler, batch: ScheduledBatch) -> None:
+    "After a step's drafts are checked: the slots of rejected tokens go back, and the drafts are spent."
+    for seq, _ in batch.items:
+        if seq.draft and not seq.is_finished:
+            self.block_manager.trim(seq.block_table, seq.num_computed)
+        seq.draft = []
+
 # %% ../nbs/14_speculative.ipynb #da7d5148
 def draft_verdicts(probs: torch.Tensor, drafts: list[int | None]) -> tuple[torch.Tensor, ...]:
     "Processed probabilities [R, V], a draft per row or None -> x [R] (-1: none), p(x) [R], p without x."
@@ -119,3 +181,98 @@ def draft_verdicts(probs: torch.Tensor, drafts: list[int | None]) -> tuple[torch
     px = probs.gather(1, idx)[:, 0] * has  # [R]
     rest = probs.scatter(1, idx, torch.where(has[:, None], 0.0, probs.gather(1, idx)))  # [R, V]: x taken out
     return x, px, rest
+
+
+Sampler.verdicts = staticmethod(draft_verdicts)  # 03b's sampler applies the rule to the rows given a draft
+
+# %% ../nbs/14_speculative.ipynb #50acbcc1
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+class Speculation(StepHook):
+    "Speculative decoding as the engine's step hook: drafts before scheduling, their verdict after it ran."
+
+    def __init__(self, engine: LLMEngine, config: SpeculativeConfig):
+        super().__init__(engine)
+        self.config, self.proposer = config, make_proposer(config)
+        self.counts = [0, 0, 0]  # sequence-steps that checked a draft, tokens drafted, of which accepted
+        self.drafted: list[Sequence] = []  # the sequences given a draft for this step
+
+    @classmethod
+    def make(cls, engine: LLMEngine) -> Speculation | None:
+        "The hook where the engine's `speculative_config` asks for speculation (a bad one raises)."
+        config = SpeculativeConfig.parse(engine.args.speculative_config)
+        return cls(engine, config) if config else None
+
+    def before_schedule(self) -> None:
+        for s in self.drafted:  # last step's, spent (or left on a sequence preempted since)
+            s.draft = []
+        self.drafted = []
+        running, limit = self.engine.scheduler.running, self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        decoding = [s for s in running if s.num_computed == s.num_tokens - 1 and not s.forks]
+        for s, draft in zip(decoding, self.proposer.propose(decoding)):
+            if draft:
+                s.draft = list(draft)
+                self.drafted.append(s)
+
+    def sample_and_update(self, batch: ScheduledBatch, out) -> dict[str, _Request] | None:
+        if not any(s.draft for s, _ in batch.items):
+            return None  # the engine's own
+        e, first, r = self.engine, {}, 0  # each sampling sequence's first row of `out`: 1 + len(draft) rows
+        for s in batch.sampling:
+            first[s.seq_id], r = r, r + 1 + len(s.draft)
+        touched: dict[str, _Request] = {}
+        live = batch.sampling
+        for i in itertools.count():  # round i: the token after draft[:i], for the sequences that accepted it
+            drafts = [s.draft[i] if i < len(s.draft) else None for s in live]
+            sampled, failed = e._sample_rows(live, out, [first[s.seq_id] + i for s in live], drafts=drafts)
+            e.scheduler.update(batch if i == 0 else ScheduledBatch([]), sampled)
+            e._texts(batch, sampled, failed, touched)
+            agreed = [s for s, t in sampled if i < len(s.draft) and t == s.draft[i]]
+            self.counts[2] += len(agreed)
+            live = [s for s in agreed if not s.is_finished]
+            if not live:
+                break
+            for s in live:
+                e.scheduler.accept_draft(s)
+        self.counts[0] += sum(1 for s, _ in batch.items if s.draft)
+        self.counts[1] += sum(len(s.draft) for s, _ in batch.items)
+        e.scheduler.end_drafts(batch)
+        return touched
+
+    def counters(self) -> dict[str, int]:
+        return dict(zip(SPEC_COUNTERS, self.counts))
+
+
+register_step_hook("speculative", Speculation.make)
+
+# %% ../nbs/14_speculative.ipynb #7b46a541
+def _speculation(engine: LLMEngine) -> Speculation | None:
+    return next((h for h in engine.step_hooks if isinstance(h, Speculation)), None)
+
+
+@patch(as_prop=True)
+def speculative(self: LLMEngine) -> SpeculativeConfig | None:
+    "The engine's speculative_config, parsed; None: no speculation."
+    return getattr(_speculation(self), "config", None)
+
+
+@patch(as_prop=True)
+def proposer(self: LLMEngine) -> Proposer | None:
+    return getattr(_speculation(self), "proposer", None)
+
+
+@patch(as_prop=True)
+def spec_counts(self: LLMEngine) -> list[int]:
+    "Drafts checked, tokens drafted, tokens accepted."
+    hook = _speculation(self)
+    return list(hook.counts) if hook else [0, 0, 0]
+
+
+@patch
+def _propose(self: LLMEngine) -> None:
+    "Drafts for the running sequences about to decode (what `step` does first)."
+    if (hook := _speculation(self)) is not None:
+        hook.before_schedule()

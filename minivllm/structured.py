@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
+from .engine import LLMEngine, LogitsProcessor, register_logits_processor  # 04's seam, filled here
+from .sampling_params import SamplingParams
 from .weights import Tokenizer
 
 # %% auto #0
@@ -23,7 +25,7 @@ __all__ = ['KINDS', 'BACKENDS', 'ANY_OBJECT', 'MAX_WHITESPACE', 'COMPILERS', 'St
            'choice_grammar', 'guidance_tokenizer', 'tokenizer_info', 'Compiled', 'StructuredOutputs', 'cache_key',
            'json_strings_repaired', 'json_schema_grammar', 'guidance_json_options', 'closed_objects',
            'guidance_grammar', 'Unexpressible', 'lark_text', 'structural_tag_lark', 'stop_mask', 'GrammarState',
-           'GuidanceState', 'apply_bitmask', 'apply_grammar_masks']
+           'GuidanceState', 'apply_bitmask', 'apply_grammar_masks', 'GrammarProcessor']
 
 # %% ../nbs/11_structured_outputs.ipynb #36dc640e
 class StructuredOutputError(ValueError):
@@ -511,3 +513,30 @@ def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None])
     for i in rows:
         states[i].fill_mask(words, i)
     apply_bitmask(logits, bitmask[rows], rows)
+
+# %% ../nbs/11_structured_outputs.ipynb #77603573
+class GrammarProcessor(LogitsProcessor):
+    "Structured outputs as the engine's logits processor (04): a grammar per request, a state per sequence."
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__(engine)
+        vocab_size, backend = engine.model.config.vocab_size, engine.args.structured_outputs_backend
+        self.outputs = StructuredOutputs(engine.tokenizer, vocab_size, backend=backend)  # compiles when asked
+
+    def states(self, params: SamplingParams, n: int) -> list[GrammarState] | None:
+        if params.structured_outputs is None:
+            return None
+        compiled = self.outputs.compile(params.structured_outputs)
+        return [self.outputs.matcher(compiled) for _ in range(n)]
+
+    def apply(self, logits: torch.Tensor, states: list[GrammarState | None]) -> None:
+        apply_grammar_masks(logits, states)
+
+
+register_logits_processor("grammar", GrammarProcessor)
+
+
+@patch(as_prop=True)
+def structured(self: LLMEngine) -> StructuredOutputs:
+    "The engine's grammar compiler (its `GrammarProcessor`'s): the server compiles with it in helper threads."
+    return next(p.outputs for p in self.logits_processors if isinstance(p, GrammarProcessor))

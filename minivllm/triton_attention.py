@@ -11,7 +11,8 @@ import os
 import numpy as np
 import torch
 
-from .paged_cache import DecodeAttention, DecodeRows, PagedBatch, to_device
+from .paged_cache import DecodeAttention, DecodeRows, KVCache, PagedBatch, to_device
+from .runner import DecodeBackend, register_decoder  # 03a's registry: this kernel joins it
 
 try:
     import triton
@@ -343,4 +344,28 @@ class TritonDecode(DecodeAttention):
     ) -> torch.Tensor:
         "One launch (two with split-K): [B, Hq, D]."
         return paged_decode_attention_triton(q, k_pool, v_pool, meta.block_tables, meta.context_lens)
+
+
+def _triton_refuses(cache: KVCache) -> str | None:
+    "Why the Triton kernel cannot run this cache (None: it can): on a CPU only in triton's interpreter."
+    if triton is None:
+        return "attention_backend 'triton' needs triton: pip install triton"
+    if cache.k.device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "attention_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 (tests)"
+    if not interpreting():  # the variable is set, but triton was imported before it was
+        return f"attention_backend 'triton' on the CPU: {NOT_INTERPRETING}"
+    return None
+
+
+register_decoder(  # 03a's registry: `auto` takes it on CUDA, and CUDA graphs (09) replay it
+    DecodeBackend(
+        "triton",
+        lambda cache, max_blocks: TritonDecode(max_blocks),
+        _triton_refuses,
+        rank=lambda device: 2 if device.type == "cuda" and HAS_TRITON else -1,
+        graphs=True,
+    )
+)
 

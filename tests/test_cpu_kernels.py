@@ -964,8 +964,8 @@ def test_a_non_finite_greedy_row_fails_only_its_request(tiny_folder, monkeypatch
     bad, good = (eng.add_request({"prompt_token_ids": ids}, p) for ids in ([1, 2, 3], [4, 5, 6]))
     hidden = ModelRunner.sample_hidden
 
-    def spoil(self, batch):
-        h = hidden(self, batch).clone()
+    def spoil(self, batch, feed=None):
+        h = hidden(self, batch, feed).clone()
         for i, s in enumerate(batch.sampling):
             if s.request_id == bad and s.num_output_tokens >= 2:
                 h[i] = float("nan")

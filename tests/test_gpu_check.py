@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.py"
-SECTIONS = ("parity", "two_engines", "long_prompt", "decode_step", "throughput", "nano_vllm_workload")
+SECTIONS = ("compile_targets", "parity", "two_engines", "long_prompt", "decode_step", "throughput", "overlap",
+            "nano_vllm_workload", "book")
 GPU_DIRS = (ROOT / ".gpu", ROOT.parent / "shared" / "gpu")  # the bundled model's tokenizer and shapes
 needs_gpu_dir = pytest.mark.skipif(not any((d / "bundled_config.json").exists() for d in GPU_DIRS),
                                    reason="needs .gpu/ or ../shared/gpu/ (bundled tokenizer)")  # fmt: skip
@@ -79,9 +80,27 @@ def test_the_stand_in_sections_report_their_numbers(quick):
     assert "ours_eager" in rows[-1] and rows[-1]["ours_eager"]["graphs"] is False
     nano = res["nano_vllm_workload"]
     assert nano["output_tokens"] > 0 and nano["sampling"] == {"temperature": 0.6}
+    assert nano["async_scheduling"]["output_tok_s"] > 0  # the same workload with the next step launched early
+    ov = res["overlap"]
+    assert ov["identical"] == ov["requests"] == res["plan"]["overlap"][0]  # greedy: the same tokens on and off
+    assert ov["on"]["output_tok_s"] > 0 and ov["off"]["output_tok_s"] > 0
+    ct = res["compile_targets"]
+    assert ct["failed"] == {} and set(ct["targets"]) == {"sm_75", "sm_80", "sm_90"}
+    assert all(done == total > 0 for done, total in ct["targets"].values())
+    assert res["book"]["ok"] and res["book"]["notebooks"] == ["nbs/00a_utils.ipynb"] and res["book"]["failed"] == []
     for B in res["plan"]["decode_batches"]:
         for key in (f"batch {B}", f"batch {B} eager"):
             assert res["decode_step"][key]["aten_ops_per_step"] > 0, key
+
+
+@needs_gpu_dir
+def test_the_t4_proxy_runs_float16_without_flash_attention(tmp_path):
+    out = tmp_path / "t4.json"
+    p = check("--mode", "quick", "--t4", "--sections", "overlap", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["dtype"] == "float16" and res["t4_proxy"]["flash_sdp"] is False
+    assert res["overlap"]["identical"] == res["overlap"]["requests"]
 
 
 def test_bad_arguments_name_what_is_wrong():
@@ -89,4 +108,8 @@ def test_bad_arguments_name_what_is_wrong():
     assert p.returncode == 2 and "warp_speed" in p.stderr and "two_engines" in p.stderr
     p = check("--mode", "gpu")
     assert p.returncode == 2 and "needs CUDA" in p.stderr
+    p = check("--mode", "t4")
+    assert p.returncode == 2 and "needs CUDA" in p.stderr
+    p = check("--t4", "--dtype", "bfloat16")
+    assert p.returncode == 2 and "float16" in p.stderr
     assert p.stdout == ""

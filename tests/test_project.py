@@ -74,7 +74,8 @@ def test_index_links_every_notebook():
     assert not missing, f"index.ipynb's notebook map has no link to {missing}"
 
 NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-           "seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three twenty-four").split()
+           "seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three twenty-four twenty-five twenty-six "
+           "twenty-seven twenty-eight twenty-nine thirty").split()
 
 def test_index_counts_the_notebooks():
     count = len(list((ROOT / "nbs").glob("[0-9]*.ipynb")))

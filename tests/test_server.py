@@ -363,7 +363,18 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert m["vllm:generation_tokens_total"] - before < 6 * 450 / 2
 
 
-def test_disconnect_while_waiting_for_a_whole_response(server):
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    "Each engine step sleeps 5 ms, so 400 steps outlast a client's half-second timeout on any CPU."
+    eng = server.app.state.engine.engine
+    step = eng.step
+    def slow():
+        time.sleep(0.005)
+        return step()
+    monkeypatch.setattr(eng, "step", slow)
+
+
+def test_disconnect_while_waiting_for_a_whole_response(server, slow_steps):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 480, "ignore_eos": True}, timeout=0.5)
     m = wait_idle(server.url, timeout=3)
@@ -604,7 +615,7 @@ def test_a_body_labelled_otherwise_than_json_gets_415(server):
     assert r.status_code == 200
 
 
-def test_the_queue_is_given_back(server, client):
+def test_the_queue_is_given_back(server, client, slow_steps):
     "After requests of every kind (done, streamed, left, bad), the queue's gauges are back to zero."
     client.completions.create(model="tiny", prompt=["a", "b"], n=3, max_tokens=4)
     list(client.completions.create(model="tiny", prompt="s", max_tokens=4, stream=True))

@@ -54,8 +54,8 @@ engine.LLMEngine.step = step
 """
 NAN_LOGITS = MARK + """
 orig_hidden = engine.ModelRunner.sample_hidden  # before the head: the logits, or a greedy head's arg-max
-def sample_hidden(self, batch):
-    hidden = orig_hidden(self, batch).clone()  # [S, hidden]
+def sample_hidden(self, batch, feed=None):
+    hidden = orig_hidden(self, batch, feed).clone()  # [S, hidden]
     for row, seq in enumerate(batch.sampling):
         if marked.get(seq.request_id) == "!!!":
             hidden[row] = float("nan")

@@ -193,7 +193,7 @@ def test_disable_by_batch_size(tiny):
     _, engine2 = generate(tiny, params, dict(SPEC, disable_by_batch_size=len(PROMPTS)))
     assert engine2.spec_counts[0] > first  # at most the limit running: drafts from the first decode on
     stats = engine2.stats()
-    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens) == (
+    assert (stats.counters["spec_decode_num_drafts"], stats.counters["spec_decode_num_accepted_tokens"]) == (
         engine2.spec_counts[0], engine2.spec_counts[2])
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One command that proves mini-vLLM's GPU path and prints one JSON (issue: "a GPU check ready to run").
 
-    python tools/gpu_check.py [--out PATH] [--sections parity,throughput,...] [--mode gpu|cpu|quick]
+    python tools/gpu_check.py [--out PATH] [--sections parity,throughput,...] [--mode gpu|t4|cpu|quick] [--t4]
 
 On a CUDA machine (mode gpu) it measures, on the bundled model's shapes (a stand-in with random weights and
 the real tokenizer, built from `.gpu/` or `../shared/gpu/`; bfloat16 from capability 8.0, float16 below):
@@ -12,7 +12,13 @@ the real tokenizer, built from `.gpu/` or `../shared/gpu/`; bfloat16 from capabi
 - throughput: output tokens/s at 1, 16, 64 and 256 concurrent requests, ours and transformers' on the same
   GPU and dtype (and ours with graphs off at 1 and 64);
 - nano_vllm_workload: nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024);
-- decode_step: kernels and launch calls per decode step, the share of a step the GPU is busy (torch.profiler).
+- decode_step: kernels and launch calls per decode step, the share of a step the GPU is busy (torch.profiler);
+- compile_targets: every Triton kernel compiled for sm_75, sm_80, sm_90 and this GPU (tools/triton_targets.py);
+- overlap: async scheduling (09a) on and off, greedy: the same tokens, and the output tokens/s of each;
+- book: `nbdev_test` over every notebook with default flags, here (installing nbdev and the server's wheels
+  from `.gpu/wheels/` first where they are missing: `tools/gpu_wheels.sh` fills it on a machine with PyPI).
+The T4 proxy (--t4; mode t4 = gpu's sizes under it): float16, flash SDPA off (a T4 has only the
+memory-efficient kernel), every KV budget within 15 GiB and the process capped at 15 GiB of GPU memory.
 Without CUDA (mode cpu, or quick for the test) it runs the same sections small on a tiny model with the
 bundled vocabulary (the Triton kernel in its interpreter), so that it is tried before a GPU is at hand. A
 section's failure is recorded in the JSON (`{"error": ..., "trace": [...]}`) and the others still run.
@@ -26,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +56,9 @@ from minivllm.weights import load_model  # noqa: E402
 
 T0 = time.perf_counter()
 # cheap ones first
-SECTIONS = ("parity", "two_engines", "long_prompt", "decode_step", "throughput", "nano_vllm_workload")
+SECTIONS = ("compile_targets", "parity", "two_engines", "long_prompt", "decode_step", "throughput", "overlap",
+            "nano_vllm_workload", "book")  # fmt: skip
+T4_MEMORY = 15 * 2**30  # what a T4 (16 GB) leaves a process
 ALIASES = {"nano_vllm": "nano_vllm_workload"}  # the name of the first H200 run's section
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)  # fmt: skip
@@ -81,15 +90,23 @@ class Plan:
     decode_batches: tuple[int, ...]
     decode_steps: int  # steps profiled
     kv: dict  # KV cache budget per section
+    overlap: tuple[int, int, int]  # requests, shortest and longest prompt and output
+    book: tuple[str, ...]  # notebooks nbdev_test runs (empty: the whole book)
 
 
 PLANS = {
     "gpu": Plan(True, 4, (5, 17, 33, 2), 16, 16384, (1, 16, 64, 256), (1, 64), 128, (2, 64), (256, 100, 1024),
-                (1, 64), 10, dict(throughput="16GiB", nano="24GiB", long="8GiB", decode="4GiB", two="2GiB")),
+                (1, 64), 10, dict(throughput="16GiB", nano="24GiB", long="8GiB", decode="4GiB", two="2GiB"),
+                (64, 100, 300), ()),
+    "t4": Plan(True, 4, (5, 17, 33, 2), 16, 16384, (1, 64), (1,), 128, (2, 64), (256, 100, 1024),
+               (1, 64), 10, dict(throughput="10GiB", nano="12GiB", long="6GiB", decode="4GiB", two="2GiB"),
+               (64, 100, 300), ()),
     "cpu": Plan(False, 4, (2, 5, 11), 4, 2048, (1, 4, 8), (1, 8), 16, (2, 16), (16, 16, 64), (1, 8), 5,
-                dict(throughput="256MiB", nano="512MiB", long="256MiB", decode="128MiB", two="64MiB")),
+                dict(throughput="256MiB", nano="512MiB", long="256MiB", decode="128MiB", two="64MiB"),
+                (8, 16, 48), ()),
     "quick": Plan(False, 1, (2, 5), 3, 256, (1, 4), (4,), 8, (2, 8), (8, 8, 24), (1, 4), 3,
-                  dict(throughput="64MiB", nano="64MiB", long="64MiB", decode="64MiB", two="32MiB")),
+                  dict(throughput="64MiB", nano="64MiB", long="64MiB", decode="64MiB", two="32MiB"),
+                  (6, 8, 20), ("nbs/00a_utils.ipynb",)),
 }  # fmt: skip
 
 
@@ -394,6 +411,16 @@ def nano_vllm_workload(ctx: Ctx) -> dict:
         except Exception as e:
             res["sampling_error"] = f"{sampling}: {type(e).__name__}: {e}"[:600]
             free()
+    if "async_scheduling" in engine_kw(async_scheduling=True):  # the same run with the next step launched early
+        try:
+            eng = LLMEngine(model, tok, **kw, async_scheduling=True, log_steps=True)
+            r = generate(eng, reqs, **res.get("sampling", {}))
+            res["async_scheduling"] = {"output_tok_s": round(r["tokens"] / r["seconds"], 1),
+                                       "seconds": round(r["seconds"], 2), "steps": step_breakdown(eng)}  # fmt: skip
+            del eng
+        except Exception as e:
+            res["async_scheduling"] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        free()
     res["graphs"] = uses_graphs(ctx.dev, **kw)
     del model
     free()
@@ -455,6 +482,114 @@ def decode_step(ctx: Ctx) -> dict:
     return res
 
 
+def overlap(ctx: Ctx) -> dict:
+    "Async scheduling (09a) off and on, greedy on the stand-in: identical tokens, and each one's output tok/s."
+    n, lo, hi = ctx.plan.overlap
+    if "async_scheduling" not in engine_kw(async_scheduling=True):
+        return {"skipped": "this checkout's EngineArgs has no async_scheduling"}
+    reqs = random_requests(n, (lo, hi), (lo, hi), seed=3)
+    model, tok = load_model(str(standin(ctx)), ctx.dtype, ctx.dev)
+    kw = engine_kw(max_num_seqs=n, kv_cache_memory=parse_bytes(ctx.plan.kv["nano"]))
+    generate(LLMEngine(model, tok, **kw), [BenchRequest(r.prompt_token_ids[:32], 4) for r in reqs])  # warm-up
+    free()
+    res, outs = {"requests": n, "lengths": [lo, hi]}, {}
+    for on in (False, True):
+        eng = LLMEngine(model, tok, **kw, async_scheduling=on, log_steps=True)
+        r = generate(eng, reqs)
+        outs[on] = r["outputs"]
+        res["on" if on else "off"] = {"output_tok_s": round(r["tokens"] / r["seconds"], 1),
+                                      "seconds": round(r["seconds"], 2), "steps": step_breakdown(eng)}  # fmt: skip
+        del eng
+        free()
+    res["identical"] = sum(a == b for a, b in zip(outs[False], outs[True]))
+    res["ratio"] = round(res["on"]["output_tok_s"] / res["off"]["output_tok_s"], 3)
+    if CUDA:  # what in a launch waits for the GPU (it should not: the launch is what overlaps)
+        res["syncs_per_launch"] = _launch_syncs(model, tok, reqs[:8], kw)
+    del model
+    free()
+    return res
+
+
+def _launch_syncs(model, tok, reqs: list[BenchRequest], kw: dict) -> dict:
+    "torch.cuda's sync debug mode over each overlapped launch: the synchronizing calls it warns of, counted."
+    import warnings
+
+    from minivllm.overlap import OverlapLoop
+
+    launch, seen, counts = OverlapLoop.launch, {}, []
+
+    def watched(self, batch, last):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(self, batch, last)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts.append(len(caught))
+                for w in caught:
+                    key = f"{Path(w.filename).name}:{w.lineno}"  # the line that waited
+                    seen[key] = seen.get(key, 0) + 1
+
+    OverlapLoop.launch = watched
+    try:
+        generate(LLMEngine(model, tok, **kw, async_scheduling=True), reqs)
+    finally:
+        OverlapLoop.launch = launch
+    return {"launches": len(counts), "with_a_sync": sum(c > 0 for c in counts), "warnings": seen}
+
+
+def compile_targets(ctx: Ctx) -> dict:
+    "tools/triton_targets.py: each Triton kernel compiled for sm_75, 80, 90 (and this GPU's capability)."
+    caps = {75, 80, 90} | ({int("".join(map(str, torch.cuda.get_device_capability())))} if CUDA else set())
+    cmd = [sys.executable, str(ROOT / "tools" / "triton_targets.py"), "--targets", ",".join(map(str, sorted(caps)))]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if p.returncode != 0:
+        return {"error": p.stderr[-1000:]}
+    res = json.loads(p.stdout)
+    failed = {t: [k for k, v in r["kernels"].items() if not v["ok"]] for t, r in res["targets"].items()}
+    return {"triton": res["triton"], "launches": res["launches"],
+            "targets": {t: [r["compiled"], r["total"]] for t, r in res["targets"].items()},
+            "failed": {t: f for t, f in failed.items() if f}}  # fmt: skip
+
+
+BOOK_WHEELS = ("nbdev==2.4.14", "execnb<0.2", "fastcore<2", "fastapi", "uvicorn", "pydantic", "llguidance", "gguf",
+               "jsonschema", "matplotlib", "openai")  # fmt: skip
+
+
+def book(ctx: Ctx) -> dict:
+    "nbdev_test (default flags) over the book here; nbdev and the server's packages from .gpu/wheels if missing."
+    res, wheels = {}, ROOT / ".gpu" / "wheels"
+    if shutil.which("nbdev_test") is None and wheels.is_dir():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels), *BOOK_WHEELS]
+        p = subprocess.run(pip, capture_output=True, text=True)
+        res["installed"] = p.returncode == 0 or p.stderr[-600:]
+    exe = shutil.which("nbdev_test")
+    if exe is None:
+        return res | {"error": "nbdev is not installed (run tools/gpu_wheels.sh where PyPI is, carry .gpu/wheels)"}
+    paths = [a for path in ctx.plan.book for a in ("--path", path)]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    p = subprocess.run([exe, "--n_workers", str(min(8, os.cpu_count() or 1)), *paths], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=1800)  # fmt: skip
+    out = (p.stdout + p.stderr).splitlines()
+    failed = sorted({w for line in out for w in line.replace(":", " ").split() if w.endswith(".ipynb")})
+    return res | {"ok": p.returncode == 0, "seconds": round(time.perf_counter() - t0, 1),
+                  "notebooks": list(ctx.plan.book) or "all", "failed": failed if p.returncode else [],
+                  "tail": out[-12:]}  # fmt: skip
+
+
+def t4_proxy() -> dict:
+    "A T4's limits on this GPU: flash SDPA off (sm_75 has only the memory-efficient kernel), 15 GiB of memory."
+    torch.backends.cuda.enable_flash_sdp(False)
+    res = {"flash_sdp": torch.backends.cuda.flash_sdp_enabled(), "dtype": "float16"}
+    if CUDA:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, T4_MEMORY / total))
+        res["memory_cap_gib"] = round(min(total, T4_MEMORY) / 2**30, 1)
+    return res
+
+
 # ------------------------------------------------------------------------------------------------------------
 def machine() -> dict:
     "bench.machine_info() (CPU model, cores, torch, date), the GPU's name, capability, memory; versions."
@@ -497,7 +632,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="also write the JSON to this path (nothing is written by default)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, of " + ",".join(SECTIONS))
     p.add_argument("--mode", choices=list(PLANS), default="gpu" if CUDA else "cpu",
-                   help="sizes: gpu (the default with CUDA), cpu (small, the default without), quick (tests)")
+                   help="sizes: gpu (the default with CUDA), t4 (gpu's under --t4's limits), cpu (small, the "
+                        "default without), quick (tests)")  # fmt: skip
+    p.add_argument("--t4", action="store_true",
+                   help="a T4 proxy: float16, flash SDPA off, KV budgets within and the process capped at 15 GiB")
     p.add_argument("--dtype", help="the stand-in's dtype (default: bfloat16 from capability 8.0, else "
                                    "float16; float32 on the CPU)")  # fmt: skip
     p.add_argument("--standin", type=Path,
@@ -510,8 +648,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [s for s in a.sections if s not in SECTIONS]
     if unknown:
         p.error(f"unknown sections {unknown}: choose from {', '.join(SECTIONS)}")
-    if a.mode == "gpu" and not CUDA:
-        p.error("--mode gpu needs CUDA (torch.cuda.is_available() is False): use --mode cpu")
+    if a.mode in ("gpu", "t4") and not CUDA:
+        p.error(f"--mode {a.mode} needs CUDA (torch.cuda.is_available() is False): use --mode cpu")
+    a.t4 = a.t4 or a.mode == "t4"
+    if a.t4 and a.dtype not in (None, "float16"):
+        p.error(f"--t4 runs float16 (a T4 has no bfloat16), not {a.dtype}")
     return a
 
 
@@ -533,10 +674,11 @@ def write(res: dict, out: str | None) -> str:
 
 def run(a: argparse.Namespace) -> dict:
     "Every asked-for section in turn, into one record; those that would start past --deadline are skipped."
-    ctx = Ctx(PLANS[a.mode], "cuda" if CUDA else "cpu", a.dtype or default_dtype(),
+    t4 = t4_proxy() if a.t4 else None
+    ctx = Ctx(PLANS[a.mode], "cuda" if CUDA else "cpu", "float16" if a.t4 else a.dtype or default_dtype(),
               Path(tempfile.mkdtemp(prefix="gpu-check-")), a.standin)  # fmt: skip
     res = {"machine": machine(), "mode": a.mode, "dtype": ctx.dtype, "plan": dataclasses.asdict(ctx.plan),
-           "sections": a.sections, "deadline_s": a.deadline}  # fmt: skip
+           "sections": a.sections, "deadline_s": a.deadline, "t4_proxy": t4}  # fmt: skip
     try:
         for name in a.sections:
             late = a.deadline is not None and time.perf_counter() - T0 > a.deadline
