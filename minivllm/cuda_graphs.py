@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from fastcore.basics import patch
 
-from .paged_cache import BlockTable, DecodeRows, KVCache, PagedBatch
+from .paged_cache import BlockTable, DecodeRows, KVCache, PagedBatch, TableRows
 from .qwen2 import Qwen2ForCausalLM
 from .triton_attention import HAS_TRITON, TritonDecode
 
@@ -68,8 +68,9 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * cache.block_size
         device = cache.k.device
         pinned = device.type == "cuda"
-        self.host = torch.zeros(self.sizes[-1], 4 + max_blocks, dtype=torch.int64, pin_memory=pinned)
-        self.inputs = torch.zeros(self.sizes[-1], 4 + max_blocks, dtype=torch.int64, device=device)
+        self.tables = cache.table_rows = TableRows(2 * max_num_seqs, max_blocks, device, fixed=True)
+        self.host = torch.zeros(self.sizes[-1], 5, dtype=torch.int64, pin_memory=pinned)
+        self.inputs = torch.zeros(self.sizes[-1], 5, dtype=torch.int64, device=device)
         self.inputs[:, 2] = self.scratch_slot  # what the captures write to, before any step
         self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host`
         pool = torch.cuda.graph_pool_handle() if pinned else None
@@ -81,8 +82,8 @@ class DecodeGraphs:
 @patch
 def _forward(self: DecodeGraphs, size: int) -> torch.Tensor:
     "The model on rows [0, size) of the fixed buffer: hidden states [size, hidden]."
-    x = self.inputs[:size]  # [size, 4 + max_blocks]: ids, positions, slots, context lengths, block tables
-    tables, lens = x[:, 4:], x[:, 3]
+    x = self.inputs[:size]  # [size, 5]: ids, positions, slots, context lengths, rows of the tables
+    tables, lens = self.tables.dev.index_select(0, x[:, 4]), x[:, 3]  # [size, max_blocks], gathered here
     meta = PagedBatch(self.cache, x[:, 2], [], size, self.decoder, block_tables=tables, context_lens=lens)
     return self.model(x[:, 0], x[:, 1], meta)
 
@@ -96,16 +97,16 @@ def bucket(self: DecodeGraphs, num_seqs: int) -> int | None:
 @patch
 def _fill(
     self: DecodeGraphs, items: list[tuple[BlockTable, int, int]], input_ids: list[int], size: int
-) -> int:
-    "Write the step's rows, then padding up to `size`, into the host buffer; the columns written."
+) -> None:
+    "Write the step's rows and padding up to `size` into the host buffer; changed table rows to the device."
     if self.copied is not None:
         self.copied.synchronize()  # the previous step's copy has left the host buffer
-    rows = DecodeRows.of(items, self.cache.block_size)  # array operations: no loop over rows or blocks
-    h, n, width = self.host.numpy(), len(items), rows.tables.shape[1]
+    rows = DecodeRows.of(items, self.cache.block_size, self.max_blocks, self.tables)  # array operations
+    h, n = self.host.numpy(), len(items)
     h[:n, 0], h[:n, 1], h[:n, 2], h[:n, 3] = input_ids, rows.context_lens - 1, rows.slots, rows.context_lens
-    h[:n, 4 : 4 + width] = rows.tables  # past a row's blocks: never read (its context length says so)
-    h[n:size, :4] = (0, 0, self.scratch_slot, 0)  # padded rows: write to scratch, read nothing
-    return 4 + width
+    h[:n, 4] = rows.rows
+    h[n:size] = (0, 0, self.scratch_slot, 0, 0)  # padded rows: write to scratch, read nothing
+    self.tables.sync()  # in stream order, before the replay that reads them
 
 
 @patch
@@ -120,8 +121,8 @@ def run(
     size = self.bucket(len(items))
     if size is None or any(n != 1 for *_, n in items):
         raise ValueError(f"a graph runs a pure decode step of at most {self.sizes[-1]} rows")
-    cols = self._fill(items, input_ids, size)  # only the columns this step's longest table reaches
-    self.inputs[:size, :cols].copy_(self.host[:size, :cols], non_blocking=True)
+    self._fill(items, input_ids, size)
+    self.inputs[:size].copy_(self.host[:size], non_blocking=True)
     if self.copied is not None:
         self.copied.record()
     if feed is not None:  # after the copy, in stream order: the previous step's tokens, where they lie

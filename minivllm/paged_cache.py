@@ -23,7 +23,7 @@ from .qwen2 import causal_attention, sdpa_causal, Qwen2Config
 __all__ = ['DEFAULT_CPU_KV_BYTES', 'PAD_LIMIT', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BlockManager',
            'check_block_invariants', 'kv_bytes_per_token', 'kv_cache_budget', 'measure_cuda_memory',
            'num_kv_blocks_for', 'KVCache', 'paged_decode_attention', 'padded_decode_attention', 'PrefillSpan',
-           'PagedBatch', 'to_device', 'DecodeRows', 'DecodeAttention', 'batched_prefill']
+           'PagedBatch', 'to_device', 'TableRows', 'DecodeRows', 'DecodeAttention', 'batched_prefill']
 
 # %% ../nbs/02_paged_cache.ipynb #4c575ec4
 class OutOfBlocks(RuntimeError):
@@ -101,6 +101,7 @@ class BlockTable:
     num_hashed: int = 0  # leading blocks already published to the prefix cache
     last_hash: int | None = None  # chained hash of block num_hashed - 1
     _array: np.ndarray | None = field(default=None, init=False, repr=False)  # `blocks` as an array, or None
+    row: int = field(default=-1, init=False, repr=False)  # its row in a TableRows (below), -1: none yet
 
     def slot(self, pos: int) -> int:
         "Flat slot index (block * block_size + offset) of token position `pos`."
@@ -458,6 +459,7 @@ class KVCache:
         self.num_heads = cfg.num_attention_heads  # query heads: what a decode backend's checks read
         self.block_size = block_size
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)
+        self.table_rows: TableRows | None = None  # block tables kept on the device (below), made on first use
 
 
 @patch(as_prop=True)
@@ -550,6 +552,8 @@ class PagedBatch:
     lone_context: torch.Tensor | None = None  # [L] the context slots of a decode row alone in its step
     block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] block ids (fixed-shape backends)
     context_lens: torch.Tensor | None = None  # [num_decode] context tokens per decode row
+    prefill_tables: torch.Tensor | None = None  # [P, width] each prompt's blocks (read in place)
+    prefill_spans: torch.Tensor | None = None  # [3, P] each prompt's first row, new tokens, context tokens
 
 
 # %% ../nbs/02_paged_cache.ipynb #06201fc8
@@ -559,6 +563,98 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t
     return t.pin_memory().to(device, non_blocking=True)
 
+
+# %% ../nbs/02_paged_cache.ipynb #1919e458
+class TableRows:
+    "Block tables as rows of one array on the host and the device; a row is rewritten when its table changes."
+
+    def __init__(self, rows: int, width: int, device: torch.device, fixed: bool = False):
+        self.device, self.fixed = device, fixed  # fixed: a CUDA graph reads `dev`, which must not move (09)
+        self.shared = device.type == "cpu"  # on the CPU `dev` is `host` itself, shared
+        self.host = np.zeros((rows, width), np.int64)  # row r: the blocks of table owner[r], then 0
+        self.owner: list[BlockTable | None] = [None] * rows
+        self.written: list[np.ndarray | None] = [None] * rows  # the owner's `array()` when its row was made
+        self.used = np.zeros(rows, np.int64)  # the call that last read each row: the oldest goes when full
+        self.calls = self.rows_written = 0  # rows_written: rows copied to the device, all told
+        self.dirty: list[int] = []  # rows written on the host since the last copy to the device
+        self.dev = self._on_device(self.host)
+
+    def _on_device(self, host: np.ndarray) -> torch.Tensor:
+        "The device's copy of `host` (int32), or the host array itself, shared."
+        if self.shared:
+            return torch.from_numpy(host)
+        return torch.from_numpy(host.astype(np.int32)).to(self.device)
+
+    def rows(self, tables: list[BlockTable], width: int = 0) -> np.ndarray:
+        "The row of each table [B] (at least `width` wide), first rewriting the rows of tables that changed."
+        self.calls += 1
+        if width > self.host.shape[1]:
+            self._grow(len(self.owner), width)
+        owner, written, n = self.owner, self.written, len(self.owner)
+        rows = [t.row for t in tables]
+        stale = [i for i, (t, r) in enumerate(zip(tables, rows))  # new here, evicted, or changed since
+                 if not (0 <= r < n and owner[r] is t and written[r] is t.array())]  # fmt: skip
+        if stale:
+            held = np.array([r for r in rows if 0 <= r < n], np.int64)
+            self.used[held] = self.calls  # rows this call reads are never given away in it
+            for i in stale:
+                t = tables[i]
+                if not (0 <= t.row < len(self.owner) and self.owner[t.row] is t):
+                    self._take(t)
+                self._write(t.row, t.array())
+                rows[i] = t.row
+        out = np.array(rows, np.int64)
+        self.used[out] = self.calls
+        return out
+
+    def _take(self, t: BlockTable) -> None:
+        "A row for `t`: one never read, else the least recently read, never one this call reads."
+        r = int(np.argmin(self.used))
+        if self.used[r] == self.calls:  # every row is read by this call's tables
+            self._grow(2 * len(self.owner), self.host.shape[1])
+            r = int(np.argmin(self.used))
+        if self.owner[r] is not None:
+            self.owner[r].row = -1  # evicted: it gets a row again when it is next read
+        self.owner[r], self.written[r], self.used[r], t.row = t, None, self.calls, r
+
+    def _write(self, r: int, blocks: np.ndarray) -> None:
+        if len(blocks) > self.host.shape[1]:
+            self._grow(len(self.owner), max(len(blocks), 2 * self.host.shape[1]))
+        self.host[r, : len(blocks)], self.host[r, len(blocks) :] = blocks, 0
+        self.written[r] = blocks
+        self.dirty.append(r)
+
+# %% ../nbs/02_paged_cache.ipynb #912f9039
+@patch
+def sync(self: TableRows) -> torch.Tensor:
+    "Copy the rows written since the last call to the device in one copy: `dev` [rows, width], current."
+    if self.dirty:
+        idx = np.unique(np.array(self.dirty, np.int64))  # [R] the rows that changed
+        if not self.shared:
+            changed = to_device(torch.from_numpy(self.host[idx].astype(np.int32)), self.device)  # [R, width]
+            self.dev.index_copy_(0, to_device(torch.from_numpy(idx), self.device), changed)
+        self.rows_written += len(idx)
+        self.dirty = []
+    return self.dev
+
+
+@patch
+def gather(self: TableRows, rows: np.ndarray, width: int) -> torch.Tensor:
+    "The first `width` blocks of the tables of `rows` [B] on the device, [B, width]: B numbers travel."
+    return self.sync()[:, :width].index_select(0, to_device(torch.from_numpy(rows), self.device))
+
+
+@patch
+def _grow(self: TableRows, rows: int, width: int) -> None:
+    "A larger array holding the old rows, copied to the device whole (never a fixed one: a graph reads it)."
+    if self.fixed:
+        raise RuntimeError(f"the block-table rows are fixed at {self.host.shape}; ({rows}, {width}) needed")
+    old, more = self.host, rows - len(self.owner)
+    self.host = np.zeros((rows, width), np.int64)
+    self.host[: old.shape[0], : old.shape[1]] = old
+    self.owner, self.written = self.owner + [None] * more, self.written + [None] * more
+    self.used = np.concatenate([self.used, np.zeros(more, np.int64)])
+    self.dev, self.dirty = self._on_device(self.host), []
 
 # %% ../nbs/02_paged_cache.ipynb #6f97d627
 def _prefill_spans(items: list[tuple[BlockTable, int, int]], device: torch.device) -> list[PrefillSpan]:
@@ -576,15 +672,19 @@ def _prefill_spans(items: list[tuple[BlockTable, int, int]], device: torch.devic
 class DecodeRows:
     "A step's decode rows as arrays, built once with array operations; each backend lays them out its way."
 
-    tables: np.ndarray  # [B, width] int64 block ids, 0 past each row's blocks
     num_blocks: np.ndarray  # [B] blocks holding each row's context
     context_lens: np.ndarray  # [B] context tokens, the new one included
     slots: np.ndarray  # [B] where each row's new K/V is written
+    rows: np.ndarray  # [B] each row's row in `source`, where its block table is kept
+    source: TableRows
+    width: int  # of the tables: the most blocks any row reads, or a backend's fixed width
+    _tables: np.ndarray | None = None
 
     @classmethod
     def of(
-        cls, items: list[tuple[BlockTable, int, int]], block_size: int, width: int | None = None
-    ) -> DecodeRows:
+        cls, items: list[tuple[BlockTable, int, int]], block_size: int, width: int | None = None,
+        source: TableRows | None = None,  # None: a TableRows of its own (a test's, or a one-off)
+    ) -> DecodeRows:  # fmt: skip
         "From decode items (table, cached, 1); `width`: a fixed table width (None: the most any row reads)."
         for row, (_, _, n) in enumerate(items):
             if n != 1:
@@ -595,14 +695,23 @@ class DecodeRows:
         width = width or int(nb.max(initial=1))
         if nb.max(initial=0) > width:
             raise ValueError(f"a decode row reads {nb.max()} blocks, past the table width {width}")
-        tables = np.zeros((B, width), np.int64)
-        if B:  # each row's first nb blocks, laid into the rows in one assignment
-            tables[np.arange(width) < nb[:, None]] = np.concatenate(
-                [t.array()[:k] for (t, _, _), k in zip(items, nb.tolist())]
-            )
+        source = source or TableRows(max(B, 1), width, torch.device("cpu"))
+        rows = source.rows([t for t, _, _ in items], width)  # rewritten only where a table changed
         pos = ctx - 1  # [B] the new token's position
-        slots = tables[np.arange(B), pos // block_size] * block_size + pos % block_size
-        return cls(tables, nb, ctx, slots)
+        slots = source.host[rows, pos // block_size] * block_size + pos % block_size
+        return cls(nb, ctx, slots, rows, source, width)
+
+    @property
+    def tables(self) -> np.ndarray:
+        "[B, width] int64 block ids, 0 past each row's blocks: gathered from `source` on the host when asked."
+        if self._tables is None:
+            self._tables = self.source.host[self.rows, : self.width]  # one gather, a copy
+            self._tables[np.arange(self.width) >= self.num_blocks[:, None]] = 0
+        return self._tables
+
+    def device_tables(self) -> torch.Tensor:
+        "The tables [B, width] on the device: gathered there, from rows that travel only when they change."
+        return self.source.gather(self.rows, self.width)
 
 
 def _decode_blocks(
@@ -647,6 +756,28 @@ class DecodeAttention:
         k_pool.view(-1, Hkv, D).index_copy_(0, slots, k)  # [num_blocks * bs, Hkv, D]: a row per slot
         v_pool.view(-1, Hkv, D).index_copy_(0, slots, v)
 
+    def prepare_prefill(self, meta: PagedBatch, items: list[tuple[BlockTable, int, int]]) -> None:
+        "Fill `meta` with what `prefill` reads beyond `meta.prefills` (the reference needs nothing more)."
+
+    def prefill(
+        self, meta: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        "Causal attention of the prefill rows, each span over its context: [prefill rows, Hq, D]."
+        Hkv, D = k_pool.shape[2], k_pool.shape[3]
+        kslots, vslots = k_pool.view(-1, Hkv, D), v_pool.view(-1, Hkv, D)  # [num_blocks * bs, Hkv, D]
+        if q.device.type != "cpu" and (fused := batched_prefill(q, k, v, meta.prefills)) is not None:
+            return fused  # fresh prompts of like lengths, in one padded call (below)
+        out = []
+        for p in meta.prefills:  # each span causal over its own context
+            rows = slice(p.start, p.start + p.num_new)
+            if p.context_slots is None:
+                ks, vs = k[rows], v[rows]
+            else:  # index_select: the rows of kslots[p.context_slots], a third of the fixed cost on the CPU
+                ks, vs = kslots.index_select(0, p.context_slots), vslots.index_select(0, p.context_slots)
+            out.append(causal_attention(q[rows], ks, vs))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     def decode(
         self, meta: PagedBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
@@ -673,11 +804,14 @@ def build(
     if not 0 <= num_prefill <= len(items):
         raise ValueError(f"num_prefill={num_prefill} is not between 0 and the {len(items)} items")
     decoder = decoder or DecodeAttention()
-    rows = DecodeRows.of(items[num_prefill:], cache.block_size, decoder.table_width)  # refuses num_new > 1
+    cache.table_rows = cache.table_rows or TableRows(64, 64, cache.k.device)  # grows as tables do
+    rows = DecodeRows.of(items[num_prefill:], cache.block_size, decoder.table_width, cache.table_rows)
     slots = np.concatenate([t.slot_array(c, c + n) for t, c, n in items[:num_prefill]] + [rows.slots])
     prefills = _prefill_spans(items[:num_prefill], device)
     slot_mapping = to_device(torch.from_numpy(slots), device)  # [T]
     meta = cls(cache, slot_mapping, prefills, len(items) - num_prefill, decoder)
+    if prefills:
+        decoder.prepare_prefill(meta, items[:num_prefill])
     if meta.num_decode:
         decoder.prepare(meta, rows, device)
     return meta
@@ -716,20 +850,8 @@ def attend(
     "Write this step's K/V [T, Hkv, D] into the pools, then attend: q [T, Hq, D] -> [T, Hq, D]."
     kp = self.cache.k[layer_idx]  # [num_blocks, bs, Hkv, D]
     vp = self.cache.v[layer_idx]
-    Hkv, D = kp.shape[2], kp.shape[3]
-    kslots, vslots = kp.view(-1, Hkv, D), vp.view(-1, Hkv, D)  # [num_blocks * bs, Hkv, D]: a row per slot
     self.decoder.store(kp, vp, self.slot_mapping, k, v)  # 1. write the new K/V into their slots
-    on_gpu = self.prefills and q.device.type != "cpu"
-    fused = batched_prefill(q, k, v, self.prefills) if on_gpu else None  # 2. prefill: fresh prompts at once
-    out = [] if fused is None else [fused]
-    for p in self.prefills if fused is None else []:  # or each span causal over its own context
-        rows = slice(p.start, p.start + p.num_new)
-        if p.context_slots is None:
-            ks, vs = k[rows], v[rows]
-        else:  # index_select: the same rows as kslots[p.context_slots], a third of the fixed cost on the CPU
-            ks, vs = kslots.index_select(0, p.context_slots), vslots.index_select(0, p.context_slots)
-        out.append(causal_attention(q[rows], ks, vs))
+    out = [self.decoder.prefill(self, q, k, v, kp, vp)] if self.prefills else []  # 2. the prompts' rows
     if self.num_decode:  # 3. decode: one query per sequence, through the backend chosen at start
         out.append(self.decoder.decode(self, q[q.shape[0] - self.num_decode :], kp, vp))
     return out[0] if len(out) == 1 else torch.cat(out)
-

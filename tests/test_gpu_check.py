@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.py"
-SECTIONS = ("compile_targets", "parity", "two_engines", "long_prompt", "decode_step", "throughput", "overlap",
-            "nano_vllm_workload", "book")
+SECTIONS = ("compile_targets", "parity", "two_engines", "long_prompt", "decode_step", "prefill_kernel", "throughput",
+            "overlap", "nano_vllm_workload", "book")
 GPU_DIRS = (ROOT / ".gpu", ROOT.parent / "shared" / "gpu")  # the bundled model's tokenizer and shapes
 needs_gpu_dir = pytest.mark.skipif(not any((d / "bundled_config.json").exists() for d in GPU_DIRS),
                                    reason="needs .gpu/ or ../shared/gpu/ (bundled tokenizer)")  # fmt: skip
@@ -88,6 +88,9 @@ def test_the_stand_in_sections_report_their_numbers(quick):
     assert ct["failed"] == {} and set(ct["targets"]) == {"sm_75", "sm_80", "sm_90"}
     assert all(done == total > 0 for done, total in ct["targets"].values())
     assert res["book"]["ok"] and res["book"]["notebooks"] == ["nbs/00a_utils.ipynb"] and res["book"]["failed"] == []
+    for case in ("3 fresh x 12", "2 x 5 after 20 cached"):  # the prefill kernel: the reference's numbers
+        row = res["prefill_kernel"][case]
+        assert row["max_diff"] < 1e-4 and row["triton_ms"] > 0 and row["torch_ms"] > 0, row
     for B in res["plan"]["decode_batches"]:
         for key in (f"batch {B}", f"batch {B} eager"):
             assert res["decode_step"][key]["aten_ops_per_step"] > 0, key

@@ -1015,3 +1015,75 @@ def test_fresh_prefills_in_one_padded_call_equal_the_loop(lens):
     assert got is not None and (got - loop).abs().max() <= 1e-5
     cached = [PrefillSpan(0, lens[0], lens[0] + 3, torch.arange(lens[0] + 3))] + spans[1:]
     assert batched_prefill(q, k, v, cached) is None  # a chunk after cached context goes on its own
+
+
+# Block tables kept as rows (TableRows): what a step reads, and what it rewrites
+
+def _expected(items, bs):
+    "The decode rows' tables [B, width] and slots [B], laid out from each table's blocks by hand."
+    nb = [-(-(c + 1) // bs) for _, c, _ in items]
+    width = max(nb)
+    tables = [t.blocks[:k] + [0] * (width - k) for (t, _, _), k in zip(items, nb)]
+    return tables, [t.slot(c) for t, c, _ in items]
+
+
+def test_table_rows_give_every_step_its_tables_through_growth_and_eviction():
+    rng = random.Random(0)
+    bm = BlockManager(2000, 4)
+    source = pc.TableRows(3, 2, CPU)  # too small on purpose: it grows and evicts
+    source.shared = False  # a device copy of its own, as off the CPU: sync copies the changed rows into it
+    source.dev = source._on_device(source.host)
+    tables = [bm.new_table() for _ in range(20)]
+    for t in tables:
+        bm.append(t, rng.randint(1, 30))
+    for step in range(300):
+        live = rng.sample(tables, rng.randint(1, 9))
+        for t in live:
+            bm.append(t, 1)
+        if rng.random() < 0.05:  # a preemption: the table's blocks freed and taken again
+            victim = rng.choice(live)
+            n = victim.num_tokens
+            bm.free(victim)
+            bm.append(victim, n)
+        items = [(t, t.num_tokens - 1, 1) for t in live]
+        rows = pc.DecodeRows.of(items, 4, None, source)
+        tables_, slots = _expected(items, 4)
+        assert rows.tables.tolist() == tables_ and rows.slots.tolist() == slots, step
+        on_device, nb = rows.device_tables().tolist(), rows.num_blocks.tolist()  # through the changed rows' copy
+        assert [d[:k] for d, k in zip(on_device, nb)] == [r[:k] for r, k in zip(tables_, nb)], step
+        assert (source.dev.numpy() == source.host).all(), step  # every row the device holds is current
+    assert source.host.shape[0] >= 9  # grew to hold the largest step
+
+
+def test_table_rows_rewrite_only_the_tables_that_gained_a_block():
+    bm = BlockManager(400, 16)
+    source = pc.TableRows(32, 8, CPU)
+    tables = [bm.new_table() for _ in range(8)]
+    for i, t in enumerate(tables):
+        bm.append(t, 10 + 3 * i)
+    pc.DecodeRows.of([(t, t.num_tokens - 1, 1) for t in tables], 16, None, source)
+    source.sync()
+    assert source.rows_written == 8
+    for step in range(40):
+        blocks = [len(t.blocks) for t in tables]
+        for t in tables:
+            bm.append(t, 1)
+        gained = {t.row for t, b in zip(tables, blocks) if len(t.blocks) > b}
+        pc.DecodeRows.of([(t, t.num_tokens - 1, 1) for t in tables], 16, None, source)
+        assert set(source.dirty) == gained, step  # only the rows of tables that gained a block travel
+        written = source.rows_written
+        source.sync()
+        assert source.rows_written == written + len(gained)
+    assert source.rows_written < 8 * 10  # 40 steps of 8 rows, each gaining a block once per 16 tokens
+
+
+def test_a_fixed_table_rows_never_grows():
+    source = pc.TableRows(2, 2, CPU, fixed=True)
+    t = [BlockTable(4, [1], 1), BlockTable(4, [2], 1), BlockTable(4, [3, 4], 5)]
+    assert source.rows(t[:2]).tolist() == [0, 1]
+    assert source.rows(t[2:]).tolist() == [0]  # evicts the oldest row, t[0]'s
+    assert (t[0].row, source.host.tolist()) == (-1, [[3, 4], [2, 0]])
+    with pytest.raises(RuntimeError, match="fixed"):
+        source.rows(t)  # three tables, two rows
+    with pytest.raises(RuntimeError, match="fixed"):
+        source.rows([BlockTable(4, [3, 4, 5], 9)])  # three blocks, two columns

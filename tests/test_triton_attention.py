@@ -259,3 +259,75 @@ def test_notebooks_sharing_a_process_pass_whatever_came_first():
     r = subprocess.run([sys.executable, "-c", BOOK_IN_ONE_PROCESS, *nbs], env=env, capture_output=True, text=True,
                        timeout=900, cwd=root / "nbs")
     assert r.returncode == 0 and "passed: [True, True, True]" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+# The prefill kernel: every prompt of a step in one launch, its context read from the pool through its table
+
+def prefill_step(bs, heads, dtype, news, cached, D=16, seed=0, nan_outside=False):
+    "Pools with random K/V in every prompt's context (NaN elsewhere if asked), a step's items, q/k/v."
+    from minivllm.paged_cache import BlockManager, KVCache
+    from minivllm.qwen2 import Qwen2Config
+
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=Hq * D, num_hidden_layers=1, num_attention_heads=Hq, num_key_value_heads=Hkv)
+    blocks = sum(-(-(c + n) // bs) for n, c in zip(news, cached)) + 3
+    kv, bm = KVCache(cfg, blocks, bs, dtype, torch.device("cpu")), BlockManager(blocks, bs)
+    if nan_outside:
+        kv.k.fill_(float("nan")), kv.v.fill_(float("nan"))
+    items = []
+    for n, c in zip(news, cached):
+        t = bm.new_table()
+        bm.append(t, c + n)
+        slots = torch.tensor(t.slots(0, c), dtype=torch.long)  # the cached prefix: K/V already in the pool
+        kv.k[0].view(-1, Hkv, D)[slots] = torch.randn(c, Hkv, D, generator=g).to(dtype)
+        kv.v[0].view(-1, Hkv, D)[slots] = torch.randn(c, Hkv, D, generator=g).to(dtype)
+        items.append((t, c, n))
+    q, k, v = (torch.randn(sum(news), h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    return kv, items, q, k, v
+
+
+def both_prefills(kv, items, q, k, v):
+    "The step's prompts through TritonDecode (the kernel) and the reference backend: the two outputs."
+    from minivllm.paged_cache import DecodeAttention, PagedBatch
+    from minivllm.triton_attention import TritonDecode
+
+    cpu = torch.device("cpu")
+    return [PagedBatch.build(kv, items, len(items), cpu, b).attend(0, q, k, v) for b in (TritonDecode(), DecodeAttention())]
+
+
+PREFILL_CASES = [(1, (4, 2), torch.float32), (7, (5, 1), torch.float16), (16, (14, 2), torch.bfloat16),
+                 (16, (4, 4), torch.float16), (16, (4, 2), torch.float32)]  # (block size, heads, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("bs,heads,dtype", PREFILL_CASES, ids=lambda c: str(c))
+def test_prefill_kernel_matches_the_reference(bs, heads, dtype):
+    # prompts fresh and after a cached prefix (chunked prefill, prefix caching), of 1 to 19 new tokens: more than
+    # one tile of 8 or 16 rows, tiles that end inside a prompt, a prompt of one token; tl.dot in float16 at bs 16
+    news, cached = [5, 19, 1], [0, 2 * bs + 1, 9]
+    out, ref = both_prefills(*prefill_step(bs, heads, dtype, news, cached, seed=bs))
+    assert out.dtype == dtype and out.shape == ref.shape == (sum(news), heads[0], 16)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@needs_triton
+def test_prefill_kernel_reads_nothing_outside_the_contexts():
+    # every slot outside the prompts' contexts holds NaN: one read there and a row turns NaN
+    kv, items, q, k, v = prefill_step(4, (4, 2), torch.float32, [6, 3], [5, 0], nan_outside=True)
+    out, ref = both_prefills(kv, items, q, k, v)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_prefill_is_one_launch_for_all_prompts(monkeypatch):
+    import minivllm.triton_attention as ta
+
+    launches = []
+    real = ta.paged_prefill_attention_triton
+    monkeypatch.setattr(ta, "paged_prefill_attention_triton", lambda *a, **kw: launches.append(a) or real(*a, **kw))
+    out, ref = both_prefills(*prefill_step(16, (4, 2), torch.float16, [9, 20, 3], [0, 16, 7]))
+    assert len(launches) == 1 and launches[0][4].tolist() == [[0, 9, 29], [9, 20, 3], [9, 36, 10]]
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = {"_paged_decode_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_add_rms_norm_kernel",
-           "_silu_and_mul_kernel", "_rotary_kernel"}  # fmt: skip
+KERNELS = {"_paged_decode_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_paged_prefill_kernel",
+           "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"}  # fmt: skip
 pytest.importorskip("triton")
 
 
@@ -39,5 +39,8 @@ def test_the_t4_gets_float16_and_float32_the_others_bfloat16_too(report):
     heads = {k for k in report["targets"]["sm_75"]["kernels"] if k.startswith("_paged_decode_kernel")}
     assert any("D=128" in k for k in heads) and any("D=64" in k for k in heads)  # both models' head sizes
     assert any("SPLIT=True" in k for k in heads) and any("SPLIT=False" in k for k in heads)
+    prefill = {k for k in report["targets"]["sm_90"]["kernels"] if k.startswith("_paged_prefill_kernel")}
+    assert any("bfloat16" in k and "DOT=True" in k for k in prefill)  # the tensor-core path a GPU takes
+    assert any("float32" in k and "DOT=False" in k for k in prefill)
     for t in report["targets"].values():
         assert all(v["shared_bytes"] >= 0 and v["num_warps"] >= 1 for v in t["kernels"].values())

@@ -13,6 +13,8 @@ the real tokenizer, built from `.gpu/` or `../shared/gpu/`; bfloat16 from capabi
   GPU and dtype (and ours with graphs off at 1 and 64);
 - nano_vllm_workload: nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024);
 - decode_step: kernels and launch calls per decode step, the share of a step the GPU is busy (torch.profiler);
+- prefill_kernel: a layer's attention over a step's prompts (fresh, one long, after a cached prefix) through
+  08's prefill kernel and through the reference's SDPA path: milliseconds each, and their largest difference;
 - compile_targets: every Triton kernel compiled for sm_75, sm_80, sm_90 and this GPU (tools/triton_targets.py);
 - overlap: async scheduling (09a) on and off, greedy: the same tokens, and the output tokens/s of each;
 - book: `nbdev_test` over every notebook with default flags, here (installing nbdev and the server's wheels
@@ -56,8 +58,8 @@ from minivllm.weights import load_model  # noqa: E402
 
 T0 = time.perf_counter()
 # cheap ones first
-SECTIONS = ("compile_targets", "parity", "two_engines", "long_prompt", "decode_step", "throughput", "overlap",
-            "nano_vllm_workload", "book")  # fmt: skip
+SECTIONS = ("compile_targets", "parity", "two_engines", "long_prompt", "decode_step", "prefill_kernel", "throughput",
+            "overlap", "nano_vllm_workload", "book")  # fmt: skip
 T4_MEMORY = 15 * 2**30  # what a T4 (16 GB) leaves a process
 ALIASES = {"nano_vllm": "nano_vllm_workload"}  # the name of the first H200 run's section
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -479,6 +481,46 @@ def decode_step(ctx: Ctx) -> dict:
             free()
     del model
     free()
+    return res
+
+
+def prefill_kernel(ctx: Ctx) -> dict:
+    "A layer's attend (store + prefill) through 08's kernels and the reference's (SDPA): ms and max diff."
+    from minivllm.paged_cache import BlockManager, DecodeAttention, KVCache, PagedBatch
+    from minivllm.qwen2 import Qwen2Config
+    from minivllm.triton_attention import TritonDecode
+
+    dt, dev = getattr(torch, ctx.dtype), torch.device(ctx.dev)
+    heads = (14, 2, 64) if ctx.plan.full_model else (4, 2, 16)  # the bundled model's attention, or a tiny one
+    cases = {"8 fresh x 512": ([512] * 8, [0] * 8), "1 fresh x 4096": ([4096], [0]),
+             "4 x 256 after 2048 cached": ([256] * 4, [2048] * 4)} if ctx.plan.full_model else \
+        {"3 fresh x 12": ([12] * 3, [0] * 3), "2 x 5 after 20 cached": ([5, 5], [20, 20])}  # fmt: skip
+    cfg = Qwen2Config(hidden_size=heads[0] * heads[2], num_hidden_layers=1, num_attention_heads=heads[0],
+                      num_key_value_heads=heads[1])  # fmt: skip
+    res = {"heads": heads, "dtype": ctx.dtype}
+    for name, (news, cached) in cases.items():
+        blocks = sum(-(-(n + c) // 16) for n, c in zip(news, cached)) + 1
+        kv, bm = KVCache(cfg, blocks, 16, dt, dev), BlockManager(blocks, 16)
+        kv.k.normal_(), kv.v.normal_()
+        items = [(bm.new_table(), c, n) for n, c in zip(news, cached)]
+        for t, c, n in items:
+            bm.append(t, c + n)
+        q, k, v = (torch.randn(sum(news), h, heads[2], dtype=dt, device=dev) for h in heads[:1] + heads[1:2] * 2)
+        row, outs = {}, []
+        for backend in (TritonDecode(), DecodeAttention()):
+            meta = PagedBatch.build(kv, items, len(items), dev, backend)
+            outs.append(meta.attend(0, q, k, v))  # compiles, and warms up
+            reps = 20 if CUDA else 1
+            sync = torch.cuda.synchronize if CUDA else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                meta.attend(0, q, k, v)
+            sync()
+            row[f"{backend.name}_ms"] = round(1000 * (time.perf_counter() - t0) / reps, 3)
+        row["max_diff"] = (outs[0].float() - outs[1].float()).abs().max().item()
+        res[name] = row
+        say(f"prefill_kernel {name}: {row}")
     return res
 
 

@@ -5,7 +5,8 @@
 
 Triton compiles for a GPU it is not running on (`triton.compile(ASTSource(...), target=GPUTarget(...))`: it
 needs its compiler, not a driver). The kernels are found by running each operator that launches one (08's paged
-decode attention, with and without split-K, and its K/V store; 08a's residual add + RMSNorm, SiLU-and-multiply
+decode attention, with and without split-K, its K/V store and its prefill attention (bfloat16 also as a GPU
+runs it: the interpreter takes the sums instead of tl.dot); 08a's residual add + RMSNorm, SiLU-and-multiply
 and rotary) in Triton's interpreter on the bundled model's shapes and Qwen3-0.6B's, in float32, float16 and bfloat16, recording
 every launch's arguments; then each launch is compiled, in a fresh process that does not interpret, for each
 target: sm_75 (the T4: float32 and float16, it has no bfloat16), sm_80 (A100) and sm_90 (H100, H200). Recorded
@@ -40,6 +41,7 @@ SHAPES = {  # the bundled model's (Qwen2.5-0.5B), and nano-vllm's benchmark mode
     "qwen3-0.6b": dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, block_size=16),
 }
 DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_OF = {"*fp32": "float32", "*fp16": "float16", "*bf16": "bfloat16"}
 
 
 def _kind(v) -> str | None:
@@ -110,8 +112,15 @@ def record() -> list[dict]:
                 ta.paged_decode_attention_triton(q, kp, vp, tables, lens, num_splits=splits)
                 k, v = torch.randn(T, s["kv_heads"], D, dtype=dt), torch.randn(T, s["kv_heads"], D, dtype=dt)
                 ta.store_kv_triton(k, v, kp, vp, torch.arange(T))
+                new = [min(ctx, 20), 2]  # two prompts' rows over the same pools: one cached before, one not
+                spans = torch.tensor([[0, new[0]], new, [ctx, 7]], dtype=torch.int32)  # [3, P]
+                q = torch.randn(sum(new), H, D, dtype=dt)
+                ta.paged_prefill_attention_triton(q, kp, vp, tables.to(torch.int32), spans, max(new))
     finally:
         KernelInterface.__getitem__ = getitem
+    for spec in [s for s in specs if s["kernel"] == "_paged_prefill_kernel"]:  # the plan a GPU takes, not the
+        c, dt = spec["constexprs"], DTYPE_OF[spec["signature"]["q_ptr"]]  # interpreter (08: prefill_plan)
+        c["DOT"], c["M"], c["N"] = ta.prefill_plan(getattr(torch, dt), c["D"], interpreted=False)
     return specs
 
 
@@ -135,8 +144,7 @@ def compile_one(spec: dict, cap: int) -> dict:
 
 def dtype_of(spec: dict) -> str:
     "The floating type of a launch's first floating pointer (what the kernel computes in)."
-    kinds = [v for v in spec["signature"].values() if v in ("*fp32", "*fp16", "*bf16")]
-    return {"*fp32": "float32", "*fp16": "float16", "*bf16": "bfloat16"}[kinds[0]]
+    return DTYPE_OF[next(v for v in spec["signature"].values() if v in DTYPE_OF)]
 
 
 def main(argv: list[str] | None = None) -> dict:
