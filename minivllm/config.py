@@ -56,9 +56,7 @@ def parse_bytes(s: str) -> int:
 class EngineArgs:
     "Every engine option, once, with its default (vLLM's names)."
 
-    model: str | None = _opt(
-        None, "a local folder, a .gguf file or a Hugging Face repo id (default: the bundled model)"
-    )
+    model: str | None = _opt(None, "a folder, a .gguf file or a hub repo id (default: the bundled model)")
     dtype: str | None = _opt(
         "auto",
         "float32, bfloat16, float16 or auto: on CUDA bfloat16 from compute capability 8.0 (Ampere), "
@@ -77,9 +75,7 @@ class EngineArgs:
         aliases=["--kv-cache-memory-bytes"],
         type=parse_bytes,
     )
-    gpu_memory_utilization: float = _opt(
-        0.9, "on CUDA without a KV cache size: the share of GPU memory that model and KV cache may fill"
-    )
+    gpu_memory_utilization: float = _opt(0.9, "on CUDA without a KV size: the GPU memory share to fill")
     max_num_seqs: int = _opt(64, "sequences in one batch")
     max_num_batched_tokens: int | None = _opt(None, "tokens a step (default 2048; 16384 in separate steps)")
     max_model_len: int | None = _opt(
@@ -95,9 +91,7 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")
     tensor_parallel_size: int = _opt(1, "ranks the model is split over (gloo on CPU, NCCL on CUDA)")
-    quantization: str | None = _opt(
-        None, "weight-only quantization of the linear layers at load: int8 or int4 (default: none)"
-    )
+    quantization: str | None = _opt(None, "weight-only quantization of linear layers at load: int8 or int4")
     attention_backend: str = _opt(
         "auto",
         "decode attention: torch (the reference), c (CPU kernel), triton (CUDA kernel) or auto: triton on "
